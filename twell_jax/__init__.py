@@ -1,0 +1,7 @@
+"""twell-jax: TwELL (Tile-wise ELLPACK) sparse feed-forward layers for JAX and Pallas."""
+
+from twell_jax.config import TwELLConfig
+from twell_jax.ffn import IMPLEMENTATIONS, FFNStats, gated_mlp, mlp
+from twell_jax.format import TwELL, pack
+
+__all__ = ["TwELLConfig", "TwELL", "pack", "gated_mlp", "mlp", "FFNStats", "IMPLEMENTATIONS"]

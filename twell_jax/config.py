@@ -1,0 +1,71 @@
+"""The TwELL format's knobs, in one frozen (hashable) dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _is_power_of_two(n: int) -> bool:
+    return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TwELLConfig:
+    """Knobs of the TwELL + dense-backup (hybrid) format.
+
+    Attributes:
+      tile_width: T, FFN columns per tile. It is the gate GEMM's block width: the epilogue
+        compacts each row's non-zeros within one [block_m, T] tile. F is padded up to a
+        multiple of T internally (padded columns are never active).
+      slots_per_tile: S = T / C, stored (value, column) pairs per (row, tile). A row whose
+        count exceeds S in any tile is *heavy* and is computed by the dense backup.
+        Default 8 of 128 (C = 16): at ~28 active of 5632 units per token a tile holds
+        0.64 non-zeros on average and P(count > 8) ~ 1e-9, so uniform rows are never heavy.
+      backup_rows: capacity of the dense backup in rows. ``None`` (default): no fixed
+        capacity; the backup is sized at run time from a few static buckets (M/64, M/16,
+        M/4, M), so it costs in proportion to the heavy rows and never overflows. An int:
+        at most that many heavy rows take the backup; if more rows are heavy, the whole
+        batch takes the exact dense path and the statistics report ``backup_overflow``.
+      dense_fallback_density: only for ``implementation="pallas"``: if the batch's mean
+        fraction of active units per token exceeds this, the up/down projections run dense
+        (decided on the device from the counts), since the sparse gathers cost more than
+        dense GEMMs past about this density. ``1.0`` disables the switch.
+    """
+
+    tile_width: int = 128
+    slots_per_tile: int = 8
+    backup_rows: int | None = None
+    dense_fallback_density: float = 0.05
+
+    def __post_init__(self):
+        if not _is_power_of_two(self.tile_width) or self.tile_width < 16:
+            raise ValueError(f"tile_width must be a power of two >= 16, got {self.tile_width!r}")
+        if not _is_power_of_two(self.slots_per_tile) or self.slots_per_tile > self.tile_width:
+            raise ValueError(
+                f"slots_per_tile must be a power of two <= tile_width={self.tile_width}, "
+                f"got {self.slots_per_tile!r}"
+            )
+        if self.backup_rows is not None and (
+            not isinstance(self.backup_rows, int) or self.backup_rows < 0
+        ):
+            raise ValueError(f"backup_rows must be None or an int >= 0, got {self.backup_rows!r}")
+        if not 0.0 <= self.dense_fallback_density <= 1.0:
+            raise ValueError(
+                f"dense_fallback_density must be in [0, 1], got {self.dense_fallback_density!r}"
+            )
+
+    @property
+    def compression_factor(self) -> int:
+        """C = T / S."""
+        return self.tile_width // self.slots_per_tile
+
+    def num_tiles(self, d_ff: int) -> int:
+        """Column tiles covering ``d_ff`` units (the last one padded)."""
+        return -(-d_ff // self.tile_width)
+
+    def row_slots(self, d_ff: int) -> int:
+        """K = num_tiles * S: the most packed entries a light row can hold."""
+        return self.num_tiles(d_ff) * self.slots_per_tile
+
+
+DEFAULT_CONFIG = TwELLConfig()

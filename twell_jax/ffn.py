@@ -1,0 +1,335 @@
+"""Sparse FFN ops: ``gated_mlp`` and ``mlp``, with a sparse ``custom_vjp`` backward.
+
+Every implementation computes the same function (up to bf16 rounding):
+
+    gated_mlp: y = (relu(x @ w_gate) * (x @ w_up)) @ w_down
+    mlp:       y = relu(x @ w_up) @ w_down
+
+- ``"xla"``: the dense jnp computation (the baseline); plain autodiff.
+- ``"reference"``: the TwELL algorithm in plain jnp: pack the gate per column tile, compute
+  the up projection only at packed positions, down-project from the packed hidden, heavy rows
+  through the dense backup. Its backward is sparse too and keeps only packed residuals.
+- ``"pallas"``: the same algorithm on Pallas kernels (interpret mode without a GPU).
+
+The L1 statistic (``stats.l1``) is differentiable on every path: its gradient is folded into
+the sparse backward, so ``loss + coeff * stats.l1`` trains the L1 penalty at no dense cost.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from twell_jax import backends
+from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
+from twell_jax.format import heavy_row_index, heavy_rows, row_compact
+from twell_jax.sparse_ops import sparse_outer
+
+Implementation = Literal["pallas", "reference", "xla"]
+IMPLEMENTATIONS: tuple[str, ...] = ("pallas", "reference", "xla")
+_F32 = jnp.float32
+
+
+class FFNStats(NamedTuple):
+    """Statistics of one FFN call (scalars).
+
+    nnz_mean: mean active units (gate > 0) per token. nnz_max: the most in one token.
+    l1: mean over tokens of sum_j |h_j| (differentiable). heavy_rows: tokens with more than
+    S non-zeros in some tile (computed by the dense backup). backup_overflow: more heavy rows
+    than ``config.backup_rows``, so the whole batch took the exact dense path.
+    dense_fallback: the whole batch took the dense path (overflow, or density above
+    ``config.dense_fallback_density`` for ``"pallas"``).
+    """
+
+    nnz_mean: jax.Array
+    nnz_max: jax.Array
+    l1: jax.Array
+    heavy_rows: jax.Array
+    backup_overflow: jax.Array
+    dense_fallback: jax.Array
+
+
+# ----------------------------------------------------------------------------------------
+# The dense function, used by "xla", by the dense backup and by the all-dense fallback.
+
+
+def _dense_rows(x: jax.Array, weights: tuple[jax.Array, ...], gated: bool):
+    """Dense FFN on rows x [R, D]. Returns (y [R, D] x.dtype, l1 [R] f32, active [R, F] bool)."""
+    dot = functools.partial(jnp.dot, preferred_element_type=_F32)
+    if gated:
+        w_gate, w_up, w_down = weights
+        gate = jax.nn.relu(dot(x, w_gate))
+        h = gate * dot(x, w_up)
+    else:
+        w_up, w_down = weights
+        gate = jax.nn.relu(dot(x, w_up))
+        h = gate
+    h = h.astype(x.dtype)  # as the dense bf16 path does: the down GEMM runs on x.dtype
+    y = dot(h, w_down).astype(x.dtype)
+    return y, jnp.sum(jnp.abs(h.astype(_F32)), axis=1), gate > 0
+
+
+def _dense_with_stats(x, weights, gated, config):
+    y, l1_rows, active = _dense_rows(x, weights, gated)
+    f = active.shape[1]
+    n_tiles = config.num_tiles(f)
+    padded = jnp.pad(active, ((0, 0), (0, n_tiles * config.tile_width - f)))
+    counts = padded.reshape(active.shape[0], n_tiles, config.tile_width).sum(-1, dtype=jnp.int32)
+    nnz = active.sum(axis=1, dtype=jnp.int32)
+    stats = FFNStats(
+        nnz_mean=jnp.mean(nnz.astype(_F32)),
+        nnz_max=jnp.max(nnz),
+        l1=jnp.mean(l1_rows),
+        heavy_rows=heavy_rows(counts, config.slots_per_tile).sum(dtype=jnp.int32),
+        backup_overflow=jnp.asarray(False),
+        dense_fallback=jnp.asarray(False),
+    )
+    return y, stats
+
+
+# ----------------------------------------------------------------------------------------
+# The dense backup: heavy rows gathered, computed densely, scattered back.
+
+
+def _backup_sizes(m: int, config: TwELLConfig) -> tuple[int, ...]:
+    """Static row counts the backup can run at; the smallest that holds the heavy rows is used."""
+    if config.backup_rows is not None:
+        capacity = min(config.backup_rows, m)
+        return (capacity,) if capacity > 0 else ()
+    return tuple(sorted({max(1, -(-m // 64)), max(1, -(-m // 16)), max(1, -(-m // 4)), m}))
+
+
+def _backup_branch(num_heavy: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """0 when no row is heavy, else 1 + the index of the smallest size >= num_heavy."""
+    bigger = sum((num_heavy > s).astype(jnp.int32) for s in sizes[:-1]) if sizes else 0
+    return jnp.where(num_heavy > 0, 1 + bigger, 0)
+
+
+def _run_backup(heavy, num_heavy, sizes, run_rows, init):
+    """Calls ``run_rows(index [size])`` for the right bucket; ``init`` when no row is heavy."""
+    branches = [lambda: init] + [
+        functools.partial(lambda size: run_rows(heavy_row_index(heavy, size)), size)
+        for size in sizes
+    ]
+    return jax.lax.switch(jnp.minimum(_backup_branch(num_heavy, sizes), len(sizes)), branches)
+
+
+# ----------------------------------------------------------------------------------------
+# The TwELL forward and its sparse backward.
+
+
+class _Residuals(NamedTuple):
+    x: jax.Array
+    weights: tuple[jax.Array, ...]
+    gate_values: jax.Array  # [M, K] packed gate (gated) or hidden (non-gated) values
+    up_values: jax.Array  # [M, K] f32 up projection at the packed entries ([M, 0] if non-gated)
+    columns: jax.Array  # [M, K] int32
+    row_nnz: jax.Array  # [M] int32, 0 for heavy rows
+    heavy: jax.Array  # [M] bool
+    num_heavy: jax.Array
+    dense: jax.Array  # [] bool: the whole batch took the dense path
+
+
+def _twell_forward(x, weights, gated, implementation, config):
+    backend = backends.get(implementation)
+    m = x.shape[0]
+    f = weights[0].shape[1]
+    s = config.slots_per_tile
+    values, columns, counts = backend.pack(x, weights[0], config)
+    heavy = heavy_rows(counts, s)
+    num_heavy = heavy.sum(dtype=jnp.int32)
+    row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
+    gate_values, columns, row_nnz = row_compact(values, columns, counts, s)
+    row_nnz = jnp.where(heavy, 0, row_nnz)  # heavy rows are the backup's; skip their sparse work
+    sizes = _backup_sizes(m, config)
+    overflow = num_heavy > (sizes[-1] if sizes else 0)
+    dense = overflow
+    if implementation == "pallas":
+        too_dense = jnp.mean(row_nnz_all.astype(_F32)) > config.dense_fallback_density * f
+        dense = dense | too_dense
+
+    def sparse_branch():
+        if gated:
+            _, w_up, w_down = weights
+            y, up_values = backend.gated_up_down(x, w_up.T, w_down, gate_values, columns, row_nnz)
+            h = gate_values.astype(_F32) * up_values
+        else:
+            y = backend.sparse_dot(gate_values, columns, row_nnz, weights[-1])
+            up_values = jnp.zeros((m, 0), _F32)
+            h = gate_values.astype(_F32)
+        l1_sum = jnp.sum(jnp.abs(h))  # unused entries hold 0
+
+        def run_rows(index):
+            rows = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+            y_rows, l1_rows, _ = _dense_rows(rows, weights, gated)
+            return (y.astype(x.dtype).at[index].set(y_rows, mode="drop"),
+                    l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)))
+
+        y_out, l1 = _run_backup(heavy, num_heavy, sizes, run_rows, (y.astype(x.dtype), l1_sum))
+        return y_out, l1, up_values
+
+    def dense_branch():
+        y, l1_rows, _ = _dense_rows(x, weights, gated)
+        up_shape = (m, gate_values.shape[1] if gated else 0)
+        return y, jnp.sum(l1_rows), jnp.zeros(up_shape, _F32)
+
+    y, l1_sum, up_values = jax.lax.cond(dense, dense_branch, sparse_branch)
+    stats = FFNStats(
+        nnz_mean=jnp.mean(row_nnz_all.astype(_F32)),
+        nnz_max=jnp.max(row_nnz_all),
+        l1=l1_sum / m,
+        heavy_rows=num_heavy,
+        backup_overflow=overflow,
+        dense_fallback=dense,
+    )
+    residuals = _Residuals(x, weights, gate_values, up_values, columns, row_nnz, heavy,
+                           num_heavy, dense)
+    return (y, stats), residuals
+
+
+def _twell_backward(gated, implementation, config, residuals: _Residuals, cotangents):
+    dy, stats_ct = cotangents
+    r = residuals
+    backend = backends.get(implementation)
+    x, weights = r.x, r.weights
+    m = x.shape[0]
+    f = weights[0].shape[1]
+    l1_ct = stats_ct.l1.astype(_F32) / m  # d(l1)/dh = sign(h) / M
+
+    def dense_vjp(rows_x, rows_dy, rows_l1_ct):
+        def fn(xx, ww):
+            y, l1_rows, _ = _dense_rows(xx, ww, gated)
+            return y, l1_rows
+
+        _, vjp = jax.vjp(fn, rows_x, weights)
+        return vjp((rows_dy, rows_l1_ct))
+
+    def sparse_branch():
+        dh = backend.sampled_dot(dy, weights[-1], r.columns, r.row_nnz)
+        g = r.gate_values.astype(_F32)
+        h = g * r.up_values if gated else g
+        dh = dh + l1_ct * jnp.sign(h)  # unused entries: h = 0, sign 0
+        to_sparse = functools.partial(sparse_outer, columns=r.columns, row_nnz=r.row_nnz, d_ff=f)
+        d_w_down = to_sparse(h, b=dy)
+        if gated:
+            w_gate, w_up, _ = weights
+            du = dh * g
+            dg = dh * r.up_values
+            dx = (backend.sparse_dot(du, r.columns, r.row_nnz, w_up.T)
+                  + backend.sparse_dot(dg, r.columns, r.row_nnz, w_gate.T))
+            d_weights = (to_sparse(dg, b=x).T, to_sparse(du, b=x).T, d_w_down)
+        else:
+            w_up, _ = weights
+            dx = backend.sparse_dot(dh, r.columns, r.row_nnz, w_up.T)
+            d_weights = (to_sparse(dh, b=x).T, d_w_down)
+        init = (dx, d_weights)
+
+        def run_rows(index):
+            valid = index < m
+            rows_x = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+            rows_dy = jnp.take(dy, index, axis=0, mode="fill", fill_value=0)
+            rows_dx, rows_dw = dense_vjp(rows_x, rows_dy, jnp.where(valid, l1_ct, 0.0))
+            dx_out = dx.at[index].add(rows_dx.astype(_F32), mode="drop")
+            return dx_out, tuple(a + b.astype(_F32) for a, b in zip(d_weights, rows_dw))
+
+        return _run_backup(r.heavy, r.num_heavy, _backup_sizes(m, config), run_rows, init)
+
+    def dense_branch():
+        dx, dw = dense_vjp(x, dy, jnp.full((m,), l1_ct))
+        return dx.astype(_F32), tuple(w.astype(_F32) for w in dw)
+
+    dx, d_weights = jax.lax.cond(r.dense, dense_branch, sparse_branch)
+    return dx.astype(x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, weights))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _twell_ffn(x, weights, gated, implementation, config):
+    return _twell_forward(x, weights, gated, implementation, config)[0]
+
+
+_twell_ffn.defvjp(_twell_forward, _twell_backward)
+
+
+# ----------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def _check_inputs(x, weights, names, gated, implementation, config):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if config is not None and not isinstance(config, TwELLConfig):
+        raise TypeError(f"config must be a TwELLConfig or None, got {type(config).__name__}")
+    for name, a in zip(("x",) + names, (x,) + weights):
+        if not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating-point array, got dtype "
+                            f"{getattr(a, 'dtype', type(a).__name__)}")
+    if x.ndim < 1:
+        raise ValueError(f"x must have shape [..., d_model], got shape {x.shape}")
+    d_model = x.shape[-1]
+    *in_weights, w_down = weights
+    in_names = names[:-1]
+    for name, w in zip(in_names, in_weights):
+        if w.ndim != 2 or w.shape[0] != d_model:
+            raise ValueError(f"{name} has shape {w.shape}, expected ({d_model}, d_ff) to match "
+                             f"x of shape {x.shape}")
+    d_ff = in_weights[0].shape[1]
+    for name, w in zip(in_names, in_weights):
+        if w.shape != (d_model, d_ff):
+            raise ValueError(f"{name} has shape {w.shape}, expected ({d_model}, {d_ff})")
+    if w_down.shape != (d_ff, d_model):
+        raise ValueError(f"{names[-1]} has shape {w_down.shape}, expected ({d_ff}, {d_model})")
+    if d_ff == 0 or d_model == 0:
+        raise ValueError(f"d_model and d_ff must be positive, got {d_model} and {d_ff}")
+
+
+def _ffn(x, weights, names, gated, implementation, config, return_stats):
+    _check_inputs(x, weights, names, gated, implementation, config)
+    config = DEFAULT_CONFIG if config is None else config
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    # One compute dtype: weights are cast to x.dtype (gradients flow back through the cast).
+    weights = tuple(w.astype(x.dtype) for w in weights)
+    if x2.shape[0] == 0:
+        y = jnp.zeros(x.shape, x.dtype)
+        zero = jnp.zeros((), _F32)
+        stats = FFNStats(zero, jnp.zeros((), jnp.int32), zero, jnp.zeros((), jnp.int32),
+                         jnp.asarray(False), jnp.asarray(False))
+    elif implementation == "xla":
+        y, stats = _dense_with_stats(x2, weights, gated, config)
+    else:
+        y, stats = _twell_ffn(x2, weights, gated, implementation, config)
+    y = y.reshape(*lead, x.shape[-1])
+    return (y, stats) if return_stats else y
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+              implementation: Implementation = "pallas", config: TwELLConfig | None = None,
+              return_stats: bool = False):
+    """ReLU-gated FFN ``(relu(x @ w_gate) * (x @ w_up)) @ w_down`` with TwELL sparsity.
+
+    Args:
+      x: [..., D] activations (bf16 or float32; the compute and output dtype).
+      w_gate, w_up: [D, F]. w_down: [F, D]. Cast to x.dtype.
+      implementation: "pallas" (Pallas kernels; interpret mode without a GPU), "reference"
+        (the TwELL algorithm in plain jnp) or "xla" (dense).
+      config: the TwELL format's knobs (``TwELLConfig()`` when None).
+      return_stats: also return an ``FFNStats``.
+    Returns:
+      y [..., D] in x.dtype, or ``(y, stats)``. Differentiable in x and every weight.
+    """
+    return _ffn(x, (w_gate, w_up, w_down), ("w_gate", "w_up", "w_down"), True,
+                implementation, config, return_stats)
+
+
+def mlp(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+        implementation: Implementation = "pallas", config: TwELLConfig | None = None,
+        return_stats: bool = False):
+    """Non-gated ReLU FFN ``relu(x @ w_up) @ w_down`` with TwELL sparsity.
+
+    Args and returns as ``gated_mlp``: x [..., D], w_up [D, F], w_down [F, D].
+    """
+    return _ffn(x, (w_up, w_down), ("w_up", "w_down"), False, implementation, config,
+                return_stats)

@@ -1,0 +1,156 @@
+"""The TwELL + dense-backup (hybrid) format, in plain jnp.
+
+Layout, for a hidden activation ``h`` of shape [M, F] with ``T = tile_width``,
+``S = slots_per_tile`` and ``n_tiles = ceil(F / T)`` (F padded with inactive columns):
+
+- ``values``  [M, n_tiles, S]: the non-zeros of each (row, tile), in ascending column order.
+- ``columns`` [M, n_tiles, S] int32: their global column in [0, F).
+- ``counts``  [M, n_tiles] int32: the *true* number of non-zeros of the (row, tile); it may
+  exceed S, and then only the first S are stored. Slots ``s >= min(count, S)`` hold value 0
+  and column 0; consumers mask them by the count, never by the value.
+- A row is *heavy* if any of its counts exceeds S. Heavy rows are kept whole in the dense
+  backup: ``backup_index`` [B] int32 (heavy rows in ascending order, padded with M) and
+  ``backup_values`` [B, F]. ``num_heavy`` is the true number of heavy rows; if it exceeds the
+  capacity B the backup has *overflowed* (the FFN ops then take the exact dense path).
+
+Slot order is fixed by the column order, so packing is deterministic.
+
+For the up/down products the per-tile slots are *row-compacted* (``row_compact``): each row's
+stored entries, in column order, moved to the front of a [M, K] list (K = n_tiles * S) with
+``row_nnz`` [M] valid entries, so a kernel loops over a row's real entries only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
+
+
+def pack_tiles(h: jax.Array, tile_width: int, slots_per_tile: int):
+    """Packs each (row, tile) of ``h`` [M, F] into slots (plain jnp, any F).
+
+    Returns ``(values [M, n_tiles, S] h.dtype, columns [M, n_tiles, S] int32,
+    counts [M, n_tiles] int32)`` as described in the module docstring.
+    """
+    m, f = h.shape
+    n_tiles = -(-f // tile_width)
+    padded = jnp.pad(h, ((0, 0), (0, n_tiles * tile_width - f)))
+    tiles = padded.reshape(m, n_tiles, tile_width)
+    active = tiles != 0  # NaN counts as active: it is a non-zero value
+    counts = active.sum(axis=-1, dtype=jnp.int32)
+    # A stable sort of "inactive" puts the active positions first, in ascending column order.
+    order = jnp.argsort(~active, axis=-1, stable=True)[..., :slots_per_tile]
+    slot = jnp.arange(slots_per_tile, dtype=jnp.int32)
+    valid = slot < counts[..., None]
+    values = jnp.where(valid, jnp.take_along_axis(tiles, order, axis=-1), 0).astype(h.dtype)
+    tile_start = (jnp.arange(n_tiles, dtype=jnp.int32) * tile_width)[None, :, None]
+    columns = jnp.where(valid, tile_start + order.astype(jnp.int32), 0)
+    return values, columns, counts
+
+
+def heavy_rows(counts: jax.Array, slots_per_tile: int) -> jax.Array:
+    """[M] bool: rows with more than S non-zeros in some tile."""
+    return jnp.any(counts > slots_per_tile, axis=-1)
+
+
+def heavy_row_index(heavy: jax.Array, capacity: int) -> jax.Array:
+    """[capacity] int32: the first ``capacity`` heavy rows in ascending order, padded with M."""
+    m = heavy.shape[0]
+    (index,) = jnp.nonzero(heavy, size=capacity, fill_value=m)
+    return index.astype(jnp.int32)
+
+
+def row_compact(values: jax.Array, columns: jax.Array, counts: jax.Array, slots_per_tile: int):
+    """Moves each row's stored entries to the front: per-tile slots -> one list per row.
+
+    Args:
+      values, columns: [M, n_tiles, S]; counts: [M, n_tiles] (true counts).
+    Returns:
+      ``(values [M, K], columns [M, K] int32, row_nnz [M] int32)`` with K = n_tiles * S;
+      entries ``k >= row_nnz`` are 0 (value) and 0 (column). Column order is preserved.
+    """
+    m, n_tiles, s = values.shape
+    k = n_tiles * s
+    kept = jnp.minimum(counts, slots_per_tile)
+    start = jnp.cumsum(kept, axis=1) - kept  # exclusive prefix over tiles
+    slot = jnp.arange(s, dtype=jnp.int32)
+    dest = jnp.where(slot < kept[..., None], start[..., None] + slot, k)  # k = dropped
+    rows = jnp.broadcast_to(jnp.arange(m)[:, None, None], dest.shape)
+    out_values = jnp.zeros((m, k), values.dtype).at[rows, dest].set(values, mode="drop")
+    out_columns = jnp.zeros((m, k), jnp.int32).at[rows, dest].set(columns, mode="drop")
+    return out_values, out_columns, kept.sum(axis=1, dtype=jnp.int32)
+
+
+def tiles_to_dense(values: jax.Array, columns: jax.Array, counts: jax.Array, d_ff: int) -> jax.Array:
+    """Scatters the stored slots back to a dense [M, d_ff] array (heavy rows incomplete)."""
+    m, n_tiles, s = values.shape
+    valid = jnp.arange(s) < jnp.minimum(counts, s)[..., None]
+    dest = jnp.where(valid, columns, d_ff)  # d_ff = dropped
+    rows = jnp.broadcast_to(jnp.arange(m)[:, None, None], dest.shape)
+    return jnp.zeros((m, d_ff), values.dtype).at[rows, dest].set(values, mode="drop")
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class TwELL:
+    """A hidden activation [M, F] in TwELL + dense-backup form (see the module docstring)."""
+
+    values: jax.Array  # [M, n_tiles, S]
+    columns: jax.Array  # [M, n_tiles, S] int32
+    counts: jax.Array  # [M, n_tiles] int32
+    backup_index: jax.Array  # [B] int32, padded with M
+    backup_values: jax.Array  # [B, F]
+    num_heavy: jax.Array  # [] int32
+    d_ff: int
+    config: TwELLConfig
+
+    def tree_flatten(self):
+        children = (self.values, self.columns, self.counts, self.backup_index,
+                    self.backup_values, self.num_heavy)
+        return children, (self.d_ff, self.config)
+
+    @classmethod
+    def tree_unflatten(cls, aux: Any, children):
+        return cls(*children, *aux)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.values.shape[0], self.d_ff)
+
+    @property
+    def overflowed(self) -> jax.Array:
+        """[] bool: more rows are heavy than the backup holds (``to_dense`` is then inexact)."""
+        return self.num_heavy > self.backup_index.shape[0]
+
+    def heavy(self) -> jax.Array:
+        """[M] bool: which rows are heavy."""
+        return heavy_rows(self.counts, self.config.slots_per_tile)
+
+    def to_dense(self) -> jax.Array:
+        """[M, F]: h exactly, whenever the backup did not overflow."""
+        dense = tiles_to_dense(self.values, self.columns, self.counts, self.d_ff)
+        return dense.at[self.backup_index].set(self.backup_values, mode="drop")
+
+
+def pack(h: jax.Array, config: TwELLConfig | None = None) -> TwELL:
+    """Packs a dense hidden activation ``h`` [M, F] into TwELL + dense backup.
+
+    The backup holds ``config.backup_rows`` rows (all M rows when ``None``, so the round trip
+    ``pack(h).to_dense() == h`` is exact for every h). Works under ``jit``.
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    if h.ndim != 2:
+        raise ValueError(f"pack expects h of shape [M, F], got shape {h.shape}")
+    m, f = h.shape
+    values, columns, counts = pack_tiles(h, config.tile_width, config.slots_per_tile)
+    heavy = heavy_rows(counts, config.slots_per_tile)
+    capacity = m if config.backup_rows is None else min(config.backup_rows, m)
+    index = heavy_row_index(heavy, capacity)
+    backup_values = jnp.take(h, index, axis=0, mode="fill", fill_value=0)
+    num_heavy = heavy.sum(dtype=jnp.int32)
+    return TwELL(values, columns, counts, index, backup_values, num_heavy, f, config)
