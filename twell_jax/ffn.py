@@ -143,7 +143,9 @@ def _twell_forward(x, weights, gated, implementation, config):
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
     gate_values, columns, row_nnz = row_compact(values, columns, counts, s)
-    row_nnz = jnp.where(heavy, 0, row_nnz)  # heavy rows are the backup's; skip their sparse work
+    # Heavy rows are the backup's: the sparse products skip them entirely.
+    row_nnz = jnp.where(heavy, 0, row_nnz)
+    gate_values = jnp.where(heavy[:, None], 0, gate_values)
     sizes = _backup_sizes(m, config)
     overflow = num_heavy > (sizes[-1] if sizes else 0)
     dense = overflow

@@ -1,0 +1,155 @@
+"""gated_mlp / mlp: every implementation against float64, gradients against jax.vjp of dense."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import twell_jax as tj
+from twell_jax import ffn
+from tests.utils import (GRAD_TOLERANCES, PATTERNS, assert_close, dense_ffn_f32, ffn_float64,
+                         make_ffn_inputs)
+
+SPARSE_IMPLS = ("reference", "pallas")
+DTYPES = (jnp.float32, jnp.bfloat16)
+# An awkward shape: nothing divides a tile or a block.
+M, D, F = 42, 72, 200
+CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4)
+
+
+def _call(gated, x, weights, **kwargs):
+    fn = tj.gated_mlp if gated else tj.mlp
+    return fn(x, *weights, **kwargs)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
+def test_forward_matches_float64(implementation, dtype, pattern, gated):
+    x, *weights = make_ffn_inputs(hash((pattern, gated)) % 2**31, M, D, F, pattern, dtype,
+                                  gated=gated)
+    run = jax.jit(functools.partial(_call, gated, implementation=implementation, config=CONFIG,
+                                    return_stats=True))
+    y, stats = run(x, weights)
+    expected, l1 = ffn_float64(x, *weights)
+    assert y.dtype == dtype and y.shape == (M, D)
+    assert_close(y, expected, dtype, what=f"{implementation} y")
+    assert_close(stats.l1, l1, dtype, what=f"{implementation} l1")
+    if pattern in ("heavy_tailed", "dense_rows"):
+        assert int(stats.heavy_rows) > 0  # the backup really ran
+    if pattern == "uniform":
+        assert 0 < float(stats.nnz_mean) < 0.2 * F
+
+
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+def test_three_d_input_and_stats(implementation):
+    x, *weights = make_ffn_inputs(7, 2 * 21, D, F, "heavy_tailed", jnp.float32)
+    x3 = x.reshape(2, 21, D)
+    y, stats = tj.gated_mlp(x3, *weights, implementation=implementation, config=CONFIG,
+                            return_stats=True)
+    assert y.shape == (2, 21, D)
+    expected, _ = ffn_float64(x, *weights)
+    assert_close(y.reshape(-1, D), expected, jnp.float32)
+    gate = np.asarray(x, np.float64) @ np.asarray(weights[0], np.float64) > 0
+    assert int(stats.nnz_max) == gate.sum(1).max()
+    np.testing.assert_allclose(float(stats.nnz_mean), gate.sum(1).mean(), rtol=1e-6)
+    tiles = np.pad(gate, ((0, 0), (0, 224 - F))).reshape(M, 7, 32).sum(-1)
+    assert int(stats.heavy_rows) == int((tiles > 4).any(1).sum())
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("pattern", ["uniform", "heavy_tailed", "dense_rows"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
+    """All gradients, with the L1 term, against jax.vjp of the dense function."""
+    x, *weights = make_ffn_inputs(3 + hash(pattern) % 100, M, D, F, pattern, dtype, gated=gated)
+    rng = np.random.default_rng(11)
+    dy = jnp.asarray(rng.standard_normal((M, D)), dtype)
+    l1_coeff = 0.05
+
+    def loss(x, weights):
+        y, stats = _call(gated, x, weights, implementation=implementation, config=CONFIG,
+                         return_stats=True)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)) + l1_coeff * stats.l1
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, tuple(weights))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    _, vjp = jax.vjp(lambda x, w: dense_ffn_f32(x, *w), f32(x), tuple(map(f32, weights)))
+    expected = vjp((f32(dy), jnp.float32(l1_coeff)))
+    names = ["dx"] + [f"d{n}" for n in (["w_gate", "w_up", "w_down"] if gated else ["w_up", "w_down"])]
+    for name, got, want in zip(names, jax.tree_util.tree_leaves(grads),
+                               jax.tree_util.tree_leaves(expected)):
+        assert got.dtype == dtype
+        assert_close(got, want, dtype, table=GRAD_TOLERANCES, what=f"{implementation} {name}")
+
+
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+def test_backup_capacity_boundary_stays_exact(implementation):
+    x, *weights = make_ffn_inputs(5, M, D, F, "dense_rows", jnp.float32)
+    expected, _ = ffn_float64(x, *weights)
+    _, stats = tj.gated_mlp(x, *weights, implementation="reference", config=CONFIG,
+                            return_stats=True)
+    heavy = int(stats.heavy_rows)
+    assert heavy > 1
+    for capacity, overflow in [(heavy, False), (heavy - 1, True), (0, True)]:
+        config = tj.TwELLConfig(tile_width=32, slots_per_tile=4, backup_rows=capacity)
+        y, stats = tj.gated_mlp(x, *weights, implementation=implementation, config=config,
+                                return_stats=True)
+        assert bool(stats.backup_overflow) == overflow
+        assert bool(stats.dense_fallback) == overflow
+        assert_close(y, expected, jnp.float32, what=f"capacity {capacity}")
+
+
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+def test_deterministic(implementation):
+    x, *weights = make_ffn_inputs(9, M, D, F, "heavy_tailed", jnp.bfloat16)
+    run = jax.jit(lambda x, *w: tj.gated_mlp(x, *w, implementation=implementation, config=CONFIG))
+    first = np.asarray(run(x, *weights).astype(jnp.float32))
+    second = np.asarray(run(x, *weights).astype(jnp.float32))
+    np.testing.assert_array_equal(first, second)
+
+
+def test_nan_propagates_like_dense():
+    x, *weights = make_ffn_inputs(1, M, D, F, "uniform", jnp.float32)
+    x = x.at[3, 5].set(jnp.nan)
+    for implementation in SPARSE_IMPLS + ("xla",):
+        y = tj.gated_mlp(x, *weights, implementation=implementation, config=CONFIG)
+        assert np.isnan(np.asarray(y[3])).any(), implementation
+        assert np.isfinite(np.asarray(y[4])).all(), implementation
+
+
+def test_residuals_hold_no_dense_hidden():
+    """The backward keeps packed activations only: no saved array has F columns."""
+    x, *weights = make_ffn_inputs(2, M, D, F, "heavy_tailed", jnp.float32)
+    _, residuals = ffn._twell_forward(x, tuple(weights), True, "reference", CONFIG)
+    for name, value in residuals._asdict().items():
+        if name in ("x", "weights"):
+            continue
+        assert F not in np.shape(value), f"{name} has shape {np.shape(value)}"
+    assert residuals.gate_values.shape == (M, CONFIG.row_slots(F))
+
+
+def test_empty_batch():
+    _, *weights = make_ffn_inputs(0, 4, D, F, "uniform", jnp.float32)
+    y = tj.gated_mlp(jnp.zeros((0, D)), *weights, implementation="reference", config=CONFIG)
+    assert y.shape == (0, D)
+
+
+def test_bad_inputs_raise_with_names_and_values():
+    x, w_gate, w_up, w_down = make_ffn_inputs(0, 8, D, F, "uniform", jnp.float32)
+    with pytest.raises(ValueError, match=r"w_down has shape \(72, 200\)"):
+        tj.gated_mlp(x, w_gate, w_up, w_down.T)
+    with pytest.raises(ValueError, match=r"w_up has shape \(72, 100\)"):
+        tj.gated_mlp(x, w_gate, w_up[:, :100], w_down)
+    with pytest.raises(ValueError, match=r"w_gate has shape \(71, 200\)"):
+        tj.gated_mlp(x, w_gate[:-1], w_up, w_down)
+    with pytest.raises(TypeError, match="x must be a floating-point array"):
+        tj.gated_mlp(x.astype(jnp.int32), w_gate, w_up, w_down)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        tj.gated_mlp(x, w_gate, w_up, w_down, implementation="cuda")
+    with pytest.raises(TypeError, match="config must be a TwELLConfig"):
+        tj.mlp(x, w_up, w_down, config={"tile_width": 32})

@@ -1,0 +1,121 @@
+"""TwELL format: pack / to_dense round trips and row compaction, as properties."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import twell_jax as tj
+from twell_jax.format import heavy_rows, pack_tiles, row_compact
+
+ROW_KINDS = ("zero", "dense", "sparse", "at_capacity", "over_capacity", "heavy_tailed")
+
+
+def _row(rng, kind, f, tile, slots):
+    row = np.zeros(f, np.float32)
+    if kind == "dense":
+        row[:] = rng.uniform(0.1, 2.0, f)
+    elif kind == "sparse":
+        row[:] = np.where(rng.random(f) < 0.05, rng.standard_normal(f), 0.0)
+    elif kind in ("at_capacity", "over_capacity"):
+        # Exactly S (or S + 1) non-zeros in one random tile, the rest sparse.
+        t = rng.integers(0, -(-f // tile))
+        cols = np.arange(t * tile, min(f, (t + 1) * tile))
+        n = min(len(cols), slots + (kind == "over_capacity"))
+        row[rng.choice(cols, n, replace=False)] = rng.uniform(0.5, 1.5, n)
+    elif kind == "heavy_tailed":
+        density = min(1.0, rng.lognormal(-3.0, 1.5))
+        row[:] = np.where(rng.random(f) < density, rng.standard_normal(f), 0.0)
+    return row
+
+
+@st.composite
+def _packing_case(draw):
+    tile = draw(st.sampled_from([16, 32]))
+    slots = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    m = draw(st.integers(1, 12))
+    f = draw(st.integers(1, 100))
+    kinds = draw(st.lists(st.sampled_from(ROW_KINDS), min_size=m, max_size=m))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    h = np.stack([_row(rng, k, f, tile, slots) for k in kinds])
+    return h, tj.TwELLConfig(tile_width=tile, slots_per_tile=slots)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_packing_case())
+def test_pack_round_trip_is_exact(case):
+    h, config = case
+    packed = tj.pack(jnp.asarray(h), config)
+    np.testing.assert_array_equal(np.asarray(packed.to_dense()), h)
+    assert not bool(packed.overflowed)
+    # Counts are the true counts; heavy rows are exactly those over S in some tile.
+    n_tiles = config.num_tiles(h.shape[1])
+    padded = np.pad(h != 0, ((0, 0), (0, n_tiles * config.tile_width - h.shape[1])))
+    counts = padded.reshape(h.shape[0], n_tiles, -1).sum(-1)
+    np.testing.assert_array_equal(np.asarray(packed.counts), counts)
+    assert int(packed.num_heavy) == int((counts > config.slots_per_tile).any(1).sum())
+    # Stored slots are in ascending column order within each (row, tile).
+    cols = np.asarray(packed.columns)
+    kept = np.minimum(counts, config.slots_per_tile)
+    for r, t in zip(*np.nonzero(kept > 1)):
+        assert np.all(np.diff(cols[r, t, : kept[r, t]]) > 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(_packing_case())
+def test_row_compact_keeps_every_stored_entry_in_order(case):
+    h, config = case
+    values, columns, counts = pack_tiles(jnp.asarray(h), config.tile_width, config.slots_per_tile)
+    flat_values, flat_columns, row_nnz = row_compact(values, columns, counts, config.slots_per_tile)
+    heavy = np.asarray(heavy_rows(counts, config.slots_per_tile))
+    flat_values, flat_columns, row_nnz = map(np.asarray, (flat_values, flat_columns, row_nnz))
+    for r in range(h.shape[0]):
+        n = row_nnz[r]
+        assert np.all(flat_values[r, n:] == 0) and np.all(flat_columns[r, n:] == 0)
+        rebuilt = np.zeros(h.shape[1], np.float32)
+        rebuilt[flat_columns[r, :n]] = flat_values[r, :n]
+        assert np.all(np.diff(flat_columns[r, :n]) > 0)
+        if not heavy[r]:  # light rows are complete
+            np.testing.assert_array_equal(rebuilt, h[r])
+
+
+def test_backup_capacity_and_overflow():
+    h = np.zeros((6, 40), np.float32)
+    h[1, :20] = 1.0  # heavy
+    h[4, 3:12] = 2.0  # heavy with S = 4
+    h[2, 5] = -3.0  # light
+    config = tj.TwELLConfig(tile_width=16, slots_per_tile=4, backup_rows=2)
+    packed = tj.pack(jnp.asarray(h), config)
+    assert int(packed.num_heavy) == 2 and not bool(packed.overflowed)
+    np.testing.assert_array_equal(np.asarray(packed.backup_index), [1, 4])
+    np.testing.assert_array_equal(np.asarray(packed.to_dense()), h)
+    small = tj.pack(jnp.asarray(h), tj.TwELLConfig(tile_width=16, slots_per_tile=4, backup_rows=1))
+    assert bool(small.overflowed)  # visible to the caller, never silent
+
+
+def test_pack_works_under_jit_and_is_a_pytree():
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((8, 70)), jnp.bfloat16)
+    config = tj.TwELLConfig(tile_width=32, slots_per_tile=4)
+    packed = jax.jit(lambda a: tj.pack(a, config))(h)
+    assert isinstance(packed, tj.TwELL) and packed.shape == (8, 70)
+    leaves = jax.tree_util.tree_leaves(packed)
+    assert len(leaves) == 6
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda p: p.to_dense())(packed)), np.asarray(h))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(tile_width=48), dict(tile_width=8), dict(slots_per_tile=3),
+    dict(tile_width=16, slots_per_tile=32), dict(backup_rows=-1),
+    dict(dense_fallback_density=1.5),
+])
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError, match="|".join(kwargs)):
+        tj.TwELLConfig(**kwargs)
+
+
+def test_pack_rejects_wrong_rank():
+    with pytest.raises(ValueError, match="shape"):
+        tj.pack(jnp.zeros((2, 3, 4)))

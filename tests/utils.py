@@ -1,0 +1,100 @@
+"""Shared test helpers: one tolerance table, one assert_close, input patterns, float64 references."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Relative error ||actual - expected|| / ||expected|| against a float64 reference computed from
+# the same rounded inputs. bf16: the dense bf16 path's own error is ~3e-3 (DESIGN.md section 5);
+# the sparse paths accumulate in fp32 and land at or below it.
+TOLERANCES = {
+    jnp.dtype(jnp.float32): 2e-5,
+    jnp.dtype(jnp.bfloat16): 1e-2,
+}
+# Gradients pass through more roundings (bf16 h, dh, cotangent products).
+GRAD_TOLERANCES = {
+    jnp.dtype(jnp.float32): 5e-5,
+    jnp.dtype(jnp.bfloat16): 2e-2,
+}
+
+PATTERNS = ("uniform", "heavy_tailed", "zero_rows", "dense_rows")
+
+
+def assert_close(actual, expected, dtype, *, table=None, what=""):
+    """Fails on NaN/Inf in ``actual`` and on a relative error above the dtype's tolerance."""
+    table = TOLERANCES if table is None else table
+    tol = table[jnp.dtype(dtype)]
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert np.all(np.isfinite(actual)), f"{what}: non-finite values in result"
+    diff = actual - expected
+    norm = np.linalg.norm(expected)
+    rel = np.linalg.norm(diff) / max(norm, 1e-30)
+    max_abs = np.max(np.abs(diff)) if diff.size else 0.0
+    assert norm > 0, f"{what}: reference is all zeros; the test would prove nothing"
+    assert rel <= tol, (
+        f"{what}: relative error {rel:.3e} > {tol:.1e} ({jnp.dtype(dtype).name}); "
+        f"max abs error {max_abs:.3e}"
+    )
+    return rel
+
+
+def make_ffn_inputs(seed: int, m: int, d: int, f: int, pattern: str, dtype, *, gated=True,
+                    density: float = 0.05):
+    """Random x [m, d] and weights whose ReLU gate has the requested sparsity pattern.
+
+    The last feature of x is a bias input (1 for ordinary rows) and the last row of the gate
+    weight is minus a threshold, so the gate is relu(x' @ w' - threshold) without a bias term.
+    Patterns: "uniform" (~density active per token), "heavy_tailed" (per-token lognormal scale:
+    most tokens very sparse, a few nearly dense), "zero_rows" (a quarter of the rows have no
+    active unit), "dense_rows" (a quarter of the rows have every unit active).
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, d))
+    w_gate = rng.standard_normal((d, f)) / np.sqrt(d - 1)
+    w_up = rng.standard_normal((d, f)) / np.sqrt(d)
+    w_down = rng.standard_normal((f, d)) / np.sqrt(f * density)
+    # Threshold with P(N(0, 1) > t) = density.
+    threshold = {0.02: 2.054, 0.05: 1.645, 0.1: 1.282, 0.2: 0.842}.get(density, 1.645)
+    if pattern == "heavy_tailed":
+        x[:, :-1] *= rng.lognormal(0.0, 0.6, size=(m, 1))
+    x[:, -1] = 1.0
+    w_gate[-1] = -threshold
+    if pattern == "zero_rows":
+        x[: m // 4 + 1, :-1] = 0.0  # pre-activation = -threshold everywhere
+    elif pattern == "dense_rows":
+        x[: m // 4 + 1, :-1] *= 0.01
+        x[: m // 4 + 1, -1] = -20.0  # pre-activation ~ +20 * threshold everywhere
+    elif pattern not in ("uniform", "heavy_tailed"):
+        raise ValueError(f"unknown pattern {pattern!r}")
+    arrays = [jnp.asarray(a, dtype) for a in (x, w_gate, w_up, w_down)]
+    if not gated:
+        return arrays[0], arrays[1], arrays[3]
+    return tuple(arrays)
+
+
+def ffn_float64(x, *weights):
+    """The dense FFN in float64 numpy on the given (already rounded) inputs."""
+    x, *weights = [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, *weights)]
+    if len(weights) == 3:
+        w_gate, w_up, w_down = weights
+        h = np.maximum(x @ w_gate, 0.0) * (x @ w_up)
+    else:
+        w_up, w_down = weights
+        h = np.maximum(x @ w_up, 0.0)
+    return h @ w_down, np.abs(h).sum(axis=-1).mean()
+
+
+def dense_ffn_f32(x, *weights):
+    """The dense FFN in float32 jnp at highest precision (for jax.vjp references)."""
+    dot = lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST)
+    if len(weights) == 3:
+        w_gate, w_up, w_down = weights
+        h = jax.nn.relu(dot(x, w_gate)) * dot(x, w_up)
+    else:
+        w_up, w_down = weights
+        h = jax.nn.relu(dot(x, w_up))
+    return dot(h, w_down), jnp.mean(jnp.sum(jnp.abs(h), axis=-1))
