@@ -16,7 +16,8 @@ SPARSE_IMPLS = ("reference", "pallas")
 DTYPES = (jnp.float32, jnp.bfloat16)
 # An awkward shape: nothing divides a tile or a block.
 M, D, F = 42, 72, 200
-CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4)
+# dense_fallback_density=1: the Pallas kernels must run on every pattern, however dense.
+CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=1.0)
 
 
 def _call(gated, x, weights, **kwargs):
@@ -96,7 +97,8 @@ def test_backup_capacity_boundary_stays_exact(implementation):
     heavy = int(stats.heavy_rows)
     assert heavy > 1
     for capacity, overflow in [(heavy, False), (heavy - 1, True), (0, True)]:
-        config = tj.TwELLConfig(tile_width=32, slots_per_tile=4, backup_rows=capacity)
+        config = tj.TwELLConfig(tile_width=32, slots_per_tile=4, backup_rows=capacity,
+                                dense_fallback_density=1.0)
         y, stats = tj.gated_mlp(x, *weights, implementation=implementation, config=config,
                                 return_stats=True)
         assert bool(stats.backup_overflow) == overflow
@@ -111,6 +113,17 @@ def test_deterministic(implementation):
     first = np.asarray(run(x, *weights).astype(jnp.float32))
     second = np.asarray(run(x, *weights).astype(jnp.float32))
     np.testing.assert_array_equal(first, second)
+
+
+def test_pallas_switches_to_dense_past_the_density_threshold():
+    x, *weights = make_ffn_inputs(4, M, D, F, "uniform", jnp.float32, density=0.1)
+    expected, _ = ffn_float64(x, *weights)
+    for threshold, dense in [(0.02, True), (0.5, False)]:
+        config = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=threshold)
+        y, stats = tj.gated_mlp(x, *weights, implementation="pallas", config=config,
+                                return_stats=True)
+        assert bool(stats.dense_fallback) == dense and not bool(stats.backup_overflow)
+        assert_close(y, expected, jnp.float32, what=f"threshold {threshold}")
 
 
 def test_nan_propagates_like_dense():

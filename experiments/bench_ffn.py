@@ -1,0 +1,349 @@
+"""FFN forward benchmark: TwELL ("pallas") against dense XLA, in one process (DESIGN.md section 6).
+
+On a laptop CPU (interpret mode, tiny shapes, about a minute):
+
+    python experiments/bench_ffn.py --suite smoke
+
+On the H100 (the numbers in BENCHMARKS.md):
+
+    python experiments/bench_ffn.py --suite paper --out runs/bench_ffn.jsonl
+
+For each case (shape x sparsity pattern) it checks both paths against float64 (numpy, on a sample
+of rows, heavy rows included) before timing, then times the jitted forwards: median over
+``--runs`` batches after warm-up, each batch synchronised with ``block_until_ready``. It also times
+the stages alone (gate GEMM + pack against XLA's GEMM on the same shape, row compaction, the
+fused up/down kernel) and kernel variants, so a missed target can be traced to a stage.
+Sparsity statistics per case: mean / p99 / max active units per token, fraction of (row, tile)
+pairs over S, heavy rows. One JSON line per measurement goes to ``--out``; a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import twell_jax as tj
+from pallas_kernels import gate_pack as gp
+from pallas_kernels import gated_up_down as gud
+from twell_jax.format import heavy_rows, row_compact
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchArgs:
+    suite: str = "smoke"  # which cases: smoke (CPU, tiny), paper (H100), or a comma list of names
+    runs: int = 50  # timed batches per measurement (median reported)
+    min_batch_ms: float = 2.0  # calls per batch chosen so one batch lasts at least this long
+    check_rows: int = 512  # rows checked against float64
+    variants: bool = True  # also time kernel variants (block sizes, prefix sums, schedules)
+    out: str = "runs/bench_ffn.jsonl"  # JSON lines, appended
+
+
+HELP = {
+    "suite": "smoke (CPU, tiny), paper (H100: every DESIGN.md case) or a comma list of case names",
+    "runs": "timed batches per measurement; the median is reported",
+    "min_batch_ms": "each timed batch repeats the call until it lasts at least this long",
+    "check_rows": "rows compared against the float64 reference before timing",
+    "variants": "also time kernel variants (block sizes, prefix sums, schedules)",
+    "out": "JSON-lines file the measurements are appended to",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    m: int
+    d: int
+    f: int
+    pattern: str  # uniform | heavy_tailed
+    nnz_target: float  # mean active units per token
+    p99_target: float | None = None  # heavy-tailed only
+
+
+CASES = {
+    c.name: c
+    for c in [
+        Case("smoke_uniform", 256, 256, 1024, "uniform", 8.0),
+        Case("smoke_heavy", 256, 256, 1024, "heavy_tailed", 12.0, 100.0),
+        Case("m16k_uniform28", 16384, 2048, 5632, "uniform", 28.0),
+        Case("m16k_uniform2pct", 16384, 2048, 5632, "uniform", 0.02 * 5632),
+        Case("m16k_heavy", 16384, 2048, 5632, "heavy_tailed", 60.0, 580.0),
+        Case("m128k_uniform28", 131072, 2048, 5632, "uniform", 28.0),
+        Case("wide_m16k_uniform", 16384, 4096, 14336, "uniform", 14336 * 28 / 5632),
+        Case("decode_m1", 1, 2048, 5632, "uniform", 28.0),
+        Case("decode_m8", 8, 2048, 5632, "uniform", 28.0),
+        Case("decode_m64", 64, 2048, 5632, "uniform", 28.0),
+    ]
+}
+SUITES = {
+    "smoke": ["smoke_uniform", "smoke_heavy"],
+    "paper": ["m16k_uniform28", "m16k_heavy", "m16k_uniform2pct", "decode_m1", "decode_m8",
+              "decode_m64", "wide_m16k_uniform", "m128k_uniform28"],
+}
+
+
+# ----------------------------------------------------------------------------------------
+# Inputs with controlled sparsity (the bias trick: x[:, -1] = 1, w_gate[-1] = -threshold).
+
+
+def _tail(z: np.ndarray) -> np.ndarray:
+    """P(N(0, 1) > z), vectorised, without scipy."""
+    return 0.5 * np.vectorize(math.erfc)(np.asarray(z, np.float64) / math.sqrt(2.0))
+
+
+def _calibrate(case: Case, rng: np.random.Generator):
+    """(threshold, lognormal sigma) giving the target mean (and p99) active units per token."""
+    f = case.f
+    if case.pattern == "uniform":
+        zs = np.linspace(0.0, 5.0, 5001)
+        threshold = zs[np.argmin(np.abs(_tail(zs) * f - case.nnz_target))]
+        return float(threshold), 0.0
+    scales = rng.standard_normal(20000)
+    best = None
+    for sigma in np.linspace(0.1, 1.5, 57):
+        s = np.exp(sigma * scales)
+        for t in np.linspace(1.5, 6.0, 91):
+            nnz = _tail(t / s) * f
+            err = abs(np.log(nnz.mean() / case.nnz_target)) + abs(
+                np.log(np.percentile(nnz, 99) / case.p99_target))
+            if best is None or err < best[0]:
+                best = (err, float(t), float(sigma))
+    return best[1], best[2]
+
+
+def make_case_inputs(case: Case, seed: int = 0):
+    """bf16 x [M, D] and weights with the case's sparsity; pre-activations ~ N(0, scale^2)."""
+    rng = np.random.default_rng(seed)
+    threshold, sigma = _calibrate(case, rng)
+    key = jax.random.PRNGKey(seed)
+    kx, kg, ku, kd, ks = jax.random.split(key, 5)
+    m, d, f = case.m, case.d, case.f
+    x = jax.random.normal(kx, (m, d), jnp.float32)
+    if sigma > 0:
+        x = x * jnp.exp(sigma * jax.random.normal(ks, (m, 1)))
+    x = x.at[:, -1].set(1.0)
+    w_gate = jax.random.normal(kg, (d, f), jnp.float32) / math.sqrt(d - 1)
+    w_gate = w_gate.at[-1].set(-threshold)
+    w_up = jax.random.normal(ku, (d, f), jnp.float32) / math.sqrt(d)
+    density = case.nnz_target / f
+    w_down = jax.random.normal(kd, (f, d), jnp.float32) / math.sqrt(f * density)
+    bf = lambda a: a.astype(jnp.bfloat16)
+    return bf(x), bf(w_gate), bf(w_up), bf(w_down)
+
+
+def sparsity_stats(x, w_gate, config: tj.TwELLConfig) -> tuple[dict, np.ndarray]:
+    """Active units per token (mean / p99 / max), (row, tile) pairs over S, heavy rows.
+
+    Returns the statistics and the [M] bool mask of heavy rows.
+    """
+    f = w_gate.shape[1]
+    t = config.tile_width
+
+    @jax.jit
+    def counts_of(x, w):
+        active = jnp.dot(x, w, preferred_element_type=jnp.float32) > 0
+        n_tiles = config.num_tiles(f)
+        active = jnp.pad(active, ((0, 0), (0, n_tiles * t - f)))
+        return active.reshape(x.shape[0], n_tiles, t).sum(-1, dtype=jnp.int32)
+
+    counts = counts_of(x, w_gate)
+    nnz = np.asarray(counts.sum(1))
+    over = np.asarray(counts > config.slots_per_tile)
+    heavy = np.asarray(heavy_rows(counts, config.slots_per_tile))
+    return {
+        "nnz_mean": float(nnz.mean()),
+        "nnz_p99": float(np.percentile(nnz, 99)),
+        "nnz_max": int(nnz.max()),
+        "tiles_over_S": float(over.mean()),
+        "heavy_rows": int(heavy.sum()),
+    }, heavy
+
+
+# ----------------------------------------------------------------------------------------
+# Checking and timing.
+
+
+def rel_error_float64(y, x, w_gate, w_up, w_down, rows: np.ndarray) -> float:
+    """||y - ref|| / ||ref|| on the given rows, ref in float64 numpy from the same bf16 inputs."""
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    xs = f64(x[rows])
+    ref = (np.maximum(xs @ f64(w_gate), 0.0) * (xs @ f64(w_up))) @ f64(w_down)
+    got = f64(y[rows])
+    if not np.all(np.isfinite(got)):
+        return float("nan")
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def time_ms(fn: Callable, *args, runs: int, min_batch_ms: float) -> dict:
+    """Median (and spread) of per-call time in ms over ``runs`` synchronised batches."""
+    jax.block_until_ready(fn(*args))  # compile
+    jax.block_until_ready(fn(*args))  # warm up
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    single = (time.perf_counter() - t0) * 1e3
+    calls = max(1, int(math.ceil(min_batch_ms / max(single, 1e-3))))
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) * 1e3 / calls)
+    samples = np.asarray(samples)
+    return {"median_ms": float(np.median(samples)), "p10_ms": float(np.percentile(samples, 10)),
+            "p90_ms": float(np.percentile(samples, 90)), "calls_per_batch": calls}
+
+
+def _check_rows(m: int, heavy_mask: np.ndarray, n: int, rng) -> np.ndarray:
+    n = min(n, m)
+    heavy = np.nonzero(heavy_mask)[0][: n // 4]
+    rest = rng.choice(m, n - len(heavy), replace=False)
+    return np.unique(np.concatenate([heavy, rest]))
+
+
+def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable) -> list[dict]:
+    x, w_gate, w_up, w_down = make_case_inputs(case)
+    stats, heavy_mask = sparsity_stats(x, w_gate, config)
+    emit({"case": case.name, "kind": "sparsity", **stats})
+    rng = np.random.default_rng(1)
+    rows = _check_rows(case.m, heavy_mask, args.check_rows, rng)
+    timing = dict(runs=args.runs, min_batch_ms=args.min_batch_ms)
+    results = []
+
+    def measure(label, fn, *fn_args, check=True, **extra):
+        row = {"case": case.name, "kind": "time", "label": label, **extra}
+        try:
+            if check:
+                y = fn(*fn_args)
+                y = y[0] if isinstance(y, tuple) else y
+                row["rel_err"] = rel_error_float64(y, x, w_gate, w_up, w_down, rows)
+            row.update(time_ms(fn, *fn_args, **timing))
+        except Exception as e:  # a failing variant is reported, never hidden
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        emit(row)
+        results.append(row)
+        return row
+
+    dense = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="xla"))
+    sparse = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=config,
+                                             return_stats=True))
+    base = measure("xla dense FFN", dense, x, w_gate, w_up, w_down)
+    measure("pallas TwELL FFN", sparse, x, w_gate, w_up, w_down,
+            fallback=bool(sparse(x, w_gate, w_up, w_down)[1].dense_fallback))
+    no_switch = dataclasses.replace(config, dense_fallback_density=1.0)
+    forced = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=no_switch))
+    measure("pallas TwELL FFN, sparse forced", forced, x, w_gate, w_up, w_down)
+
+    # Stages alone.
+    mm = jax.jit(lambda a, b: jnp.dot(a, b))
+    gemm = measure("stage: xla gate GEMM (x @ w_gate)", mm, x, w_gate, check=False)
+    if case.m % 16 == 0:
+        pack_variants = [("default", None)]
+        if args.variants:
+            for prefix in ("matmul", "cumsum"):
+                for bm, warps, stages in ((64, 4, 3), (128, 8, 3), (64, 8, 4)):
+                    pack_variants.append((f"{prefix} bm{bm} w{warps} s{stages}", gp.GatePackConfig(
+                        block_m=bm, block_k=64, num_warps=warps, num_stages=stages,
+                        prefix_sum=prefix)))
+        for name, cfg in pack_variants:
+            fn = jax.jit(lambda a, b, cfg=cfg: gp.gate_pack(
+                a, b, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile,
+                config=cfg))
+            measure(f"stage: gate GEMM + pack [{name}]", fn, x, w_gate, check=False)
+        values, columns, counts = jax.jit(lambda a, b: gp.gate_pack(
+            a, b, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile))(x, w_gate)
+        compact = jax.jit(lambda v, c, n: row_compact(v, c, n, config.slots_per_tile))
+        measure("stage: row compaction (XLA)", compact, values, columns, counts, check=False)
+        gv, cols, nnz = compact(values, columns, counts)
+        w_up_t = jnp.asarray(w_up.T)
+        ud_variants = [("default", None)]
+        if args.variants:
+            for bm, bd, sched, warps in ((16, 512, "two_pass", 4), (16, 256, "two_pass", 4),
+                                         (32, 512, "two_pass", 8), (4, 512, "fused", 4),
+                                         (8, 256, "fused", 8), (16, 512, "fused", 8)):
+                ud_variants.append((f"{sched} bm{bm} bd{bd} w{warps}", gud.GatedUpDownConfig(
+                    block_m=bm, block_d=bd, schedule=sched, num_warps=warps,
+                    preload_x=sched == "fused" and bm * case.d <= 8192)))
+        for name, cfg in ud_variants:
+            fn = jax.jit(lambda *a, cfg=cfg: gud.gated_up_down(*a, config=cfg))
+            measure(f"stage: fused up/down [{name}]", fn, x, w_up_t, w_down, gv, cols, nnz,
+                    check=False)
+    for row in results:
+        if "median_ms" in row and "median_ms" in base:
+            row["speedup_vs_xla"] = base["median_ms"] / row["median_ms"]
+        if row["label"].startswith("stage: gate GEMM + pack") and "median_ms" in gemm \
+                and "median_ms" in row:
+            row["fraction_of_xla_gemm_rate"] = gemm["median_ms"] / row["median_ms"]
+    return results
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("TWELL_COMMIT", "unknown")
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for field in dataclasses.fields(BenchArgs):
+        kind = field.type if field.type in ("int", "float", "str") else "str"
+        if field.type == "bool":
+            parser.add_argument(f"--{field.name}", default=field.default,
+                                action=argparse.BooleanOptionalAction, help=HELP[field.name])
+        else:
+            parser.add_argument(f"--{field.name}", type={"int": int, "float": float}.get(kind, str),
+                                default=field.default, help=HELP[field.name])
+    args = BenchArgs(**vars(parser.parse_args(argv)))
+    names = SUITES.get(args.suite, args.suite.split(","))
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; have {sorted(CASES)} and suites {sorted(SUITES)}")
+    config = tj.TwELLConfig()
+    header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+              "jax": jax.__version__, "commit": _commit(), "command": " ".join(sys.argv),
+              "config": dataclasses.asdict(config), "args": dataclasses.asdict(args)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows = []
+    with open(args.out, "a") as log:
+        def emit(row):
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            print(json.dumps(row), flush=True)
+
+        emit(header)
+        for i, name in enumerate(names):
+            print(f"[{i + 1}/{len(names)}] {name}", flush=True)
+            rows += run_case(CASES[name], args, config, emit)
+    print_table(rows)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'case':<20} {'what':<52} {'ms':>9} {'vs xla':>7} {'rel err':>9}")
+    for r in rows:
+        ms = f"{r['median_ms']:.3f}" if "median_ms" in r else "ERROR"
+        ratio = f"{r['speedup_vs_xla']:.2f}x" if "speedup_vs_xla" in r else ""
+        err = f"{r['rel_err']:.2e}" if "rel_err" in r else ""
+        extra = f" gemm-rate {r['fraction_of_xla_gemm_rate']:.2f}" \
+            if "fraction_of_xla_gemm_rate" in r else ""
+        print(f"{r['case']:<20} {r['label'][:52]:<52} {ms:>9} {ratio:>7} {err:>9}{extra}"
+              + (f"  {r['error'][:80]}" if "error" in r else ""))
+
+
+if __name__ == "__main__":
+    main()

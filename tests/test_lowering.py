@@ -1,0 +1,90 @@
+"""Every kernel lowers to Triton IR for the GPU, on this CPU-only machine.
+
+``jax.export(..., platforms=["cuda"])`` runs the Pallas Triton lowering (jaxpr -> Triton MLIR),
+which catches primitives and indexing forms the Triton backend does not support. Two things
+are needed without a GPU:
+
+* a target: the lowering asks the device for its compute capability; an abstract mesh naming an
+  H100 (``jax.sharding.AbstractDevice``) answers instead (otherwise: "No supported GPU devices
+  found, please specify an abstract GPU device using AbstractDevice");
+* the Triton custom call has no export compatibility guarantee, so its safety check is disabled
+  for that one target.
+
+Not covered here: the Triton compiler itself (Triton IR -> PTX runs inside XLA at compile time on
+the GPU), so shared-memory or register limits only show on the device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gate_pack import GatePackConfig, gate_pack
+from pallas_kernels.gated_up_down import GatedUpDownConfig, gated_up_down
+from pallas_kernels.sparse_down import sparse_down
+
+M, D, F, K = 256, 256, 512, 32
+BF16 = jnp.bfloat16
+S = jax.ShapeDtypeStruct
+
+_H100 = jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"
+)
+
+
+def export_for_cuda(fn, *args) -> str:
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=_H100
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[
+                jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
+            ],
+        )(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("dtype", [BF16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("prefix_sum", ["cumsum", "matmul"])
+def test_gate_pack_lowers(prefix_sum, dtype):
+    def fn(x, w, b):
+        return gate_pack(
+            x, w, b, tile_width=128, slots_per_tile=8, interpret=False,
+            config=GatePackConfig(prefix_sum=prefix_sum),
+        )
+
+    module = export_for_cuda(fn, S((M, D), dtype), S((D, F), dtype), S((F,), jnp.float32))
+    assert "twell_gate_pack" in module
+    assert plgpu.CUSTOM_CALL_TARGET_NAME in module
+
+
+@pytest.mark.parametrize("return_up", [False, True])
+@pytest.mark.parametrize("schedule", ["fused", "two_pass"])
+def test_gated_up_down_lowers(schedule, return_up):
+    def fn(*args):
+        return gated_up_down(
+            *args, return_up=return_up, interpret=False,
+            config=GatedUpDownConfig(block_m=16, block_d=128, schedule=schedule),
+        )
+
+    module = export_for_cuda(
+        fn,
+        S((M, D), BF16), S((F, D), BF16), S((F, D), BF16),
+        S((M, K), BF16), S((M, K), jnp.int32), S((M,), jnp.int32),
+    )
+    assert "twell_gated_up_down" in module
+
+
+def test_sparse_down_lowers():
+    def fn(*args):
+        return sparse_down(*args, interpret=False)
+
+    module = export_for_cuda(
+        fn, S((M, K), BF16), S((M, K), jnp.int32), S((M,), jnp.int32), S((F, D), BF16)
+    )
+    assert "twell_sparse_down" in module

@@ -1,0 +1,91 @@
+"""The ``"pallas"`` backend: the TwELL building blocks on Pallas kernels.
+
+The kernels want block-divisible shapes; this module pads (rows with zeros, which are never
+active; D with zero features, which change no dot product; F with zero gate columns, which are
+never active) and slices the results back, so callers can pass any M, D, F. Without a GPU the
+kernels run in interpret mode (``pallas_kernels.common.resolve_interpret``).
+
+Backward products (``sampled_dot``) still use the plain-jnp reference until the training
+kernels land; ``sparse_dot`` (dx) already runs on the ``sparse_down`` kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gate_pack import gate_pack
+from pallas_kernels.gated_up_down import gated_up_down
+from pallas_kernels.sparse_down import sparse_down
+from twell_jax import sparse_ops
+from twell_jax.backends import Backend
+from twell_jax.config import TwELLConfig
+
+_ROW_MULTIPLE_SMALL = 16  # the tensor-core dot's minimum block
+_ROW_MULTIPLE = 64  # the gate GEMM's default block_m
+_D_BLOCK_MAX = 512
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _padded_rows(m: int) -> int:
+    return _round_up(m, _ROW_MULTIPLE if m >= _ROW_MULTIPLE else _ROW_MULTIPLE_SMALL)
+
+
+def _padded_features(d: int) -> int:
+    """D padded so a power-of-two chunk (<= 512, >= 16) divides it."""
+    chunk = min(_D_BLOCK_MAX, max(16, 1 << (d - 1).bit_length()))
+    return _round_up(d, chunk)
+
+
+def _pad(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    if a.shape == shape:
+        return a
+    return jnp.pad(a, [(0, n - s) for s, n in zip(a.shape, shape)])
+
+
+def _pack(x: jax.Array, w: jax.Array, config: TwELLConfig):
+    m, d = x.shape
+    f = w.shape[1]
+    m_pad, d_pad = _padded_rows(m), _padded_features(d)
+    f_pad = config.num_tiles(f) * config.tile_width
+    values, columns, counts = gate_pack(
+        _pad(x, (m_pad, d_pad)), _pad(w, (d_pad, f_pad)),
+        tile_width=config.tile_width, slots_per_tile=config.slots_per_tile,
+    )
+    return values[:m], columns[:m], counts[:m]
+
+
+def _pad_lists(m_pad, *arrays):
+    return [_pad(a, (m_pad,) + a.shape[1:]) for a in arrays]
+
+
+def _gated_up_down(x, w_up_t, w_down, gate_values, columns, row_nnz):
+    m, d = x.shape
+    f = w_up_t.shape[0]
+    m_pad, d_pad = _padded_rows(m), _padded_features(d)
+    gate_values, columns, row_nnz = _pad_lists(m_pad, gate_values, columns, row_nnz)
+    y, up_values = gated_up_down(
+        _pad(x, (m_pad, d_pad)), _pad(w_up_t, (f, d_pad)), _pad(w_down, (f, d_pad)),
+        gate_values, columns, row_nnz, return_up=True,  # u feeds the L1 statistic and backward
+    )
+    return y[:m, :d], up_values[:m]
+
+
+def _sparse_dot(values, columns, row_nnz, w):
+    m = values.shape[0]
+    f, d = w.shape
+    m_pad, d_pad = _padded_rows(m), _padded_features(d)
+    values, columns, row_nnz = _pad_lists(m_pad, values, columns, row_nnz)
+    y = sparse_down(values, columns, row_nnz, _pad(w, (f, d_pad)), out_dtype=jnp.float32)
+    return y[:m, :d]
+
+
+BACKEND = Backend(
+    pack=_pack,
+    gated_up_down=_gated_up_down,
+    sparse_dot=_sparse_dot,
+    sampled_dot=sparse_ops.sampled_dot,
+)
