@@ -37,6 +37,7 @@ import numpy as np
 import twell_jax as tj
 from pallas_kernels import gate_pack as gp
 from pallas_kernels import gated_up_down as gud
+from pallas_kernels import sparse_down as sd
 from twell_jax.format import heavy_rows, row_compact
 
 
@@ -252,11 +253,16 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     if case.m % 16 == 0:
         pack_variants = [("default", None)]
         if args.variants:
-            for prefix in ("matmul", "cumsum"):
-                for bm, warps, stages in ((64, 4, 3), (128, 8, 3), (64, 8, 4)):
-                    pack_variants.append((f"{prefix} bm{bm} w{warps} s{stages}", gp.GatePackConfig(
-                        block_m=bm, block_k=64, num_warps=warps, num_stages=stages,
-                        prefix_sum=prefix)))
+            for bm, tpp, warps, stages, group, prefix in (
+                    (64, 1, 4, 4, 10**6, "cumsum"),  # rows fastest: the first version's order
+                    (64, 1, 4, 4, 1, "cumsum"), (64, 2, 4, 4, 8, "cumsum"),
+                    (64, 2, 8, 3, 8, "cumsum"), (128, 1, 8, 3, 8, "cumsum"),
+                    (128, 2, 8, 3, 8, "cumsum"), (64, 4, 8, 3, 8, "cumsum"),
+                    (128, 2, 8, 3, 8, "matmul"), (64, 2, 4, 4, 8, "matmul")):
+                pack_variants.append((
+                    f"{prefix} bm{bm} n{tpp}x{config.tile_width} w{warps} s{stages} g{group}",
+                    gp.GatePackConfig(block_m=bm, block_k=64, num_warps=warps, num_stages=stages,
+                                      prefix_sum=prefix, tiles_per_program=tpp, group_m=group)))
         for name, cfg in pack_variants:
             fn = jax.jit(lambda a, b, cfg=cfg: gp.gate_pack(
                 a, b, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile,
@@ -270,16 +276,21 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
         w_up_t = jnp.asarray(w_up.T)
         ud_variants = [("default", None)]
         if args.variants:
-            for bm, bd, sched, warps in ((16, 512, "two_pass", 4), (16, 256, "two_pass", 4),
-                                         (32, 512, "two_pass", 8), (4, 512, "fused", 4),
-                                         (8, 256, "fused", 8), (16, 512, "fused", 8)):
-                ud_variants.append((f"{sched} bm{bm} bd{bd} w{warps}", gud.GatedUpDownConfig(
-                    block_m=bm, block_d=bd, schedule=sched, num_warps=warps,
-                    preload_x=sched == "fused" and bm * case.d <= 8192)))
+            for bm, bd, sched, warps, stages in (
+                    (16, 512, "two_pass", 8, 1), (16, 1024, "two_pass", 8, 1),
+                    (32, 512, "two_pass", 8, 1), (8, 512, "two_pass", 4, 1),
+                    (16, 512, "two_pass", 8, 2), (16, 256, "two_pass", 4, 1)):
+                ud_variants.append((f"{sched} bm{bm} bd{bd} w{warps} s{stages}",
+                                    gud.GatedUpDownConfig(block_m=bm, block_d=bd, schedule=sched,
+                                                          num_warps=warps, num_stages=stages,
+                                                          preload_x=False)))
         for name, cfg in ud_variants:
             fn = jax.jit(lambda *a, cfg=cfg: gud.gated_up_down(*a, config=cfg))
             measure(f"stage: fused up/down [{name}]", fn, x, w_up_t, w_down, gv, cols, nnz,
                     check=False)
+        down = jax.jit(lambda v, c, n, w: sd.sparse_down(v, c, n, w))
+        measure("stage: sparse_down alone (half the gathers)", down, gv, cols, nnz, w_down,
+                check=False)
     for row in results:
         if "median_ms" in row and "median_ms" in base:
             row["speedup_vs_xla"] = base["median_ms"] / row["median_ms"]
@@ -334,14 +345,14 @@ def main(argv=None) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'case':<20} {'what':<52} {'ms':>9} {'vs xla':>7} {'rel err':>9}")
+    print(f"\n{'case':<20} {'what':<66} {'ms':>9} {'vs xla':>7} {'rel err':>9}")
     for r in rows:
         ms = f"{r['median_ms']:.3f}" if "median_ms" in r else "ERROR"
         ratio = f"{r['speedup_vs_xla']:.2f}x" if "speedup_vs_xla" in r else ""
         err = f"{r['rel_err']:.2e}" if "rel_err" in r else ""
         extra = f" gemm-rate {r['fraction_of_xla_gemm_rate']:.2f}" \
             if "fraction_of_xla_gemm_rate" in r else ""
-        print(f"{r['case']:<20} {r['label'][:52]:<52} {ms:>9} {ratio:>7} {err:>9}{extra}"
+        print(f"{r['case']:<20} {r['label'][:66]:<66} {ms:>9} {ratio:>7} {err:>9}{extra}"
               + (f"  {r['error'][:80]}" if "error" in r else ""))
 
 

@@ -48,6 +48,21 @@ PrefixSum = Literal["cumsum", "matmul"]
 _PREFIX_SUMS = ("cumsum", "matmul")
 
 
+def _grid_position(pid, num_row_blocks: int, num_col_blocks: int, group_m: int):
+    """Program id -> (row block, column block) in groups of ``group_m`` row blocks.
+
+    Within a group the row block varies fastest, so the programs running at the same time share
+    a few [block_m, D] slabs of x and sweep all of w: x is read from DRAM about once and w stays
+    in L2. (A plain 2-D grid with rows fastest re-streams all of x once per column block.)
+    """
+    per_group = group_m * num_col_blocks
+    group = pid // per_group
+    first = group * group_m
+    size = jnp.minimum(num_row_blocks - first, group_m)
+    within = pid % per_group
+    return first + within % size, within // size
+
+
 def _gate_pack_kernel(
     x_ref,
     w_ref,
@@ -56,12 +71,16 @@ def _gate_pack_kernel(
     block_m: int,
     block_k: int,
     tile_width: int,
+    tiles_per_program: int,
     slots_per_tile: int,
     num_k_blocks: int,
+    num_row_blocks: int,
+    num_col_blocks: int,
+    group_m: int,
     prefix_sum: PrefixSum,
     precision: jax.lax.Precision | None,
 ):
-    """One program: rows [i * block_m, +block_m) x columns [t * T, +T).
+    """One program: rows [i * block_m, +block_m) x tiles [c * n, +n) (n = tiles_per_program).
 
     Refs (whole arrays): x [M, D], w [D, F], optional bias [F]; outputs values [M, F//T, S],
     columns [M, F//T, S], counts [M, F//T].
@@ -71,48 +90,56 @@ def _gate_pack_kernel(
     else:
         b_ref = None
         values_ref, columns_ref, counts_ref = refs
-    i = pl.program_id(0)
-    t = pl.program_id(1)
+    i, c = _grid_position(pl.program_id(0), num_row_blocks, num_col_blocks, group_m)
+    n_sub = tiles_per_program
+    block_n = n_sub * tile_width
     row0 = pl.multiple_of(i * block_m, block_m)
-    col0 = pl.multiple_of(t * tile_width, tile_width)
+    col0 = pl.multiple_of(c * block_n, block_n)
 
     def k_step(kb, acc):
         k0 = pl.multiple_of(kb * block_k, block_k)
         xb = x_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]
-        wb = w_ref[pl.ds(k0, block_k), pl.ds(col0, tile_width)]
+        wb = w_ref[pl.ds(k0, block_k), pl.ds(col0, block_n)]
         return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32, precision=precision)
 
     acc = jax.lax.fori_loop(
-        0, num_k_blocks, k_step, jnp.zeros((block_m, tile_width), jnp.float32)
+        0, num_k_blocks, k_step, jnp.zeros((block_m, block_n), jnp.float32)
     )
     if b_ref is not None:
-        acc = acc + b_ref[pl.ds(col0, tile_width)].astype(jnp.float32)[None, :]
+        acc = acc + b_ref[pl.ds(col0, block_n)].astype(jnp.float32)[None, :]
 
-    # --- epilogue: pack the [block_m, T] tile -------------------------------------------------
+    # --- epilogue: pack each [block_m, T] tile of the [block_m, n * T] block -------------------
+    shape = (block_m, n_sub, tile_width)
+    acc = acc.reshape(shape)
     positive = jnp.logical_not(acc <= 0.0)  # > 0 or NaN: the non-zeros of relu(acc)
     p_int = positive.astype(jnp.int32)
-    lane = jax.lax.broadcasted_iota(jnp.int32, (block_m, tile_width), 1)
+    lane = jax.lax.broadcasted_iota(jnp.int32, shape, 2)
     if prefix_sum == "cumsum":
-        incl = jnp.cumsum(p_int, axis=1)
+        incl = jnp.cumsum(p_int, axis=2)
     else:
         r = jax.lax.broadcasted_iota(jnp.int32, (tile_width, tile_width), 0)
-        c = jax.lax.broadcasted_iota(jnp.int32, (tile_width, tile_width), 1)
-        upper = (r <= c).astype(jnp.bfloat16)  # upper[a, b] = 1 iff a <= b
+        cc = jax.lax.broadcasted_iota(jnp.int32, (tile_width, tile_width), 1)
+        upper = (r <= cc).astype(jnp.bfloat16)  # upper[a, b] = 1 iff a <= b
         incl = jnp.dot(
-            positive.astype(jnp.bfloat16), upper, preferred_element_type=jnp.float32
-        ).astype(jnp.int32)
+            positive.astype(jnp.bfloat16).reshape(block_m * n_sub, tile_width), upper,
+            preferred_element_type=jnp.float32,
+        ).astype(jnp.int32).reshape(shape)
     excl = incl - p_int
-    count = jnp.sum(p_int, axis=1)  # [block_m]
+    count = jnp.sum(p_int, axis=2)  # [block_m, n]
     # Positive lanes -> their rank; the q-th non-positive lane (q = lane - excl) -> count + q.
-    slot = jnp.where(positive, excl, count[:, None] + (lane - excl))
+    slot = jnp.where(positive, excl, count[:, :, None] + (lane - excl))
     enabled = slot < slots_per_tile
     slot = jnp.where(enabled, slot, slots_per_tile)  # out of range of the slot axis when masked
-    rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, tile_width), 0)
+    rows = row0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    tiles = c * n_sub + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     vals = jnp.where(positive, acc, 0.0).astype(values_ref.dtype)
-    cols = jnp.where(positive, col0 + lane, 0)
-    plgpu.store(values_ref.at[rows, t, slot], vals, mask=enabled)
-    plgpu.store(columns_ref.at[rows, t, slot], cols, mask=enabled)
-    counts_ref[pl.ds(row0, block_m), t] = count
+    cols = jnp.where(positive, col0 + tile_width * jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+                     + lane, 0)
+    plgpu.store(values_ref.at[rows, tiles, slot], vals, mask=enabled)
+    plgpu.store(columns_ref.at[rows, tiles, slot], cols, mask=enabled)
+    count_rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, n_sub), 0)
+    count_tiles = c * n_sub + jax.lax.broadcasted_iota(jnp.int32, (block_m, n_sub), 1)
+    plgpu.store(counts_ref.at[count_rows, count_tiles], count)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,6 +153,9 @@ class GatePackConfig:
       num_stages: Triton software-pipelining stages of the K loop.
       prefix_sum: "cumsum" (Triton scan) or "matmul" (mask @ triangular ones on tensor cores);
         identical results, see ``default_gate_pack_config`` for their speed.
+      tiles_per_program: column tiles per program (power of two): the GEMM block is
+        [block_m, tiles_per_program * T], packed tile by tile in the epilogue.
+      group_m: row blocks per launch group (``_grid_position``): programs of one group share x.
     """
 
     block_m: int = 64
@@ -133,12 +163,19 @@ class GatePackConfig:
     num_warps: int = 4
     num_stages: int = 4
     prefix_sum: PrefixSum = "cumsum"
+    tiles_per_program: int = 1
+    group_m: int = 8
 
     def __post_init__(self):
         for name in ("block_m", "block_k"):
             v = getattr(self, name)
             if not is_power_of_two(v) or v < 16:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v!r}")
+        if not is_power_of_two(self.tiles_per_program):
+            raise ValueError(
+                f"tiles_per_program must be a power of two, got {self.tiles_per_program!r}")
+        if not isinstance(self.group_m, int) or self.group_m < 1:
+            raise ValueError(f"group_m must be an int >= 1, got {self.group_m!r}")
         if not is_power_of_two(self.num_warps):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -232,14 +269,23 @@ def gate_pack(
     if d % config.block_k:
         raise ValueError(f"D={d} is not a multiple of block_k={config.block_k}")
     num_tiles = f // tile_width
+    if num_tiles % config.tiles_per_program:
+        raise ValueError(f"F // tile_width = {num_tiles} tiles is not a multiple of "
+                         f"tiles_per_program={config.tiles_per_program}")
+    num_row_blocks = m // config.block_m
+    num_col_blocks = num_tiles // config.tiles_per_program
     kernel = functools.partial(
         _gate_pack_kernel,
         has_bias=bias is not None,
         block_m=config.block_m,
         block_k=config.block_k,
         tile_width=tile_width,
+        tiles_per_program=config.tiles_per_program,
         slots_per_tile=slots_per_tile,
         num_k_blocks=d // config.block_k,
+        num_row_blocks=num_row_blocks,
+        num_col_blocks=num_col_blocks,
+        group_m=config.group_m,
         prefix_sum=config.prefix_sum,
         # fp32 inputs: true fp32 products (Triton's default for fp32 dots is TF32).
         precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None,
@@ -253,7 +299,7 @@ def gate_pack(
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(m // config.block_m, num_tiles),
+        grid=(num_row_blocks * num_col_blocks,),
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),

@@ -194,6 +194,29 @@ def test_gate_pack_prefix_sums_agree(m, d, f, t, s, block_m, block_k):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32))
 
 
+@pytest.mark.parametrize("tiles_per_program,group_m,prefix_sum", [
+    (2, 1, "cumsum"), (2, 3, "matmul"), (4, 2, "cumsum")])
+def test_gate_pack_program_shapes_agree(tiles_per_program, group_m, prefix_sum):
+    """Several tiles per program and grouped launch orders give the reference's exact output."""
+    m, d, f, t, s = 80, 64, 256, 32, 4  # 5 row blocks of 16: groups of 3 leave a ragged one
+    rng = np.random.default_rng(13)
+    x, w, _ = make_gate_inputs(m, d, f, t, s, jnp.bfloat16, "special", rng)
+    config = GatePackConfig(block_m=16, block_k=32, tiles_per_program=tiles_per_program,
+                            group_m=group_m, prefix_sum=prefix_sum)
+    got = gate_pack(x, w, tile_width=t, slots_per_tile=s, config=config, interpret=INTERPRET)
+    ref = gate_pack_reference(x, w, tile_width=t, slots_per_tile=s)
+    for a, r in zip(got, ref):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32))
+
+
+def test_gate_pack_rejects_tiles_per_program_not_dividing():
+    x = jnp.ones((16, 32), jnp.bfloat16)
+    w = jnp.ones((32, 96), jnp.bfloat16)  # 3 tiles of 32
+    with pytest.raises(ValueError, match="tiles_per_program=2"):
+        gate_pack(x, w, tile_width=32, slots_per_tile=4, interpret=INTERPRET,
+                  config=GatePackConfig(block_m=16, block_k=32, tiles_per_program=2))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_gate_pack_gaussian_inputs(dtype):
     """Real-valued inputs (rounding differs from the reference): with S = T nothing overflows,

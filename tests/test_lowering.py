@@ -50,12 +50,13 @@ def export_for_cuda(fn, *args) -> str:
 
 
 @pytest.mark.parametrize("dtype", [BF16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("prefix_sum", ["cumsum", "matmul"])
-def test_gate_pack_lowers(prefix_sum, dtype):
+@pytest.mark.parametrize("prefix_sum,tiles_per_program", [("cumsum", 1), ("matmul", 1),
+                                                          ("cumsum", 2), ("matmul", 4)])
+def test_gate_pack_lowers(prefix_sum, tiles_per_program, dtype):
     def fn(x, w, b):
         return gate_pack(
             x, w, b, tile_width=128, slots_per_tile=8, interpret=False,
-            config=GatePackConfig(prefix_sum=prefix_sum),
+            config=GatePackConfig(prefix_sum=prefix_sum, tiles_per_program=tiles_per_program),
         )
 
     module = export_for_cuda(fn, S((M, D), dtype), S((D, F), dtype), S((F,), jnp.float32))

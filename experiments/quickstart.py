@@ -1,0 +1,300 @@
+"""Quickstart: the TwELL sparse gated FFN layer, checked, timed and trained on a toy task.
+
+    .venv/bin/python experiments/quickstart.py           # about a minute on a 2-core CPU
+    .venv/bin/python experiments/quickstart.py --help    # every knob, with its default
+
+1. Builds a ``twell_jax.nn.SparseGatedMLP`` whose gate is ~``--density`` active: x's last
+   feature is 1 and the last row of ``w_gate`` is minus a per-unit threshold (no bias term), so
+   ``relu(x @ w_gate)`` is non-zero for about 2% of units on Gaussian inputs.
+2. Runs every implementation ("xla" dense, "reference" TwELL in jnp, "pallas" kernels; interpret
+   mode without a GPU) on the same bf16 and float32 data and prints a table: relative and max
+   absolute error against a float64 numpy reference (from the same rounded inputs), median time
+   per jitted call, and the FFN statistics (non-zeros per token, heavy rows).
+3. Trains the layer for ``--train-steps`` adamw steps on a toy regression target (a fixed random
+   sparse teacher) with the L1 penalty ``coeff * stats.l1`` read from the sown intermediates,
+   printing the loss and non-zeros per token as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+import twell_jax
+from twell_jax import nn
+
+
+def _flag(default, help: str, **kwargs):
+    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Defaults:
+    """Every knob of the quickstart; each field is a command-line flag (``--d-model`` ...)."""
+
+    d_model: int = _flag(256, "D, the model width")
+    d_ff: int = _flag(1024, "F, the FFN width")
+    tokens: int = _flag(512, "M, tokens per batch")
+    density: float = _flag(0.02, "target fraction of active gate units per token")
+    implementations: tuple[str, ...] = _flag(
+        ("xla", "reference", "pallas"), "implementations to check and time",
+        choices=twell_jax.IMPLEMENTATIONS)
+    dtypes: tuple[str, ...] = _flag(("bfloat16", "float32"), "compute dtypes to check and time",
+                                    choices=("bfloat16", "float32"))
+    timing_runs: int = _flag(5, "timed calls per implementation (median reported), after warm-up")
+    train_steps: int = _flag(20, "adamw steps of the toy training run (0 skips it)")
+    train_implementation: str = _flag("reference", "implementation used for training",
+                                      choices=twell_jax.IMPLEMENTATIONS)
+    train_dtype: str = _flag("bfloat16", "compute dtype of the training run",
+                             choices=("bfloat16", "float32"))
+    learning_rate: float = _flag(3e-3, "adamw learning rate")
+    l1_coeff: float = _flag(1e-3, "coefficient of the L1 penalty coeff * stats.l1")
+    log_every: int = _flag(5, "print a training line every this many steps")
+    seed: int = _flag(0, "random seed (parameters and data)")
+    jsonl: str = _flag("", "if set, append one JSON object per table row and train log line here")
+
+
+def parse_args(argv: Sequence[str] | None) -> Defaults:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for field in dataclasses.fields(Defaults):
+        meta = dict(field.metadata)
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(field.default, tuple):
+            parser.add_argument(flag, nargs="+", default=list(field.default), **meta)
+        else:
+            parser.add_argument(flag, type=type(field.default), default=field.default, **meta)
+    args = vars(parser.parse_args(argv))
+    cfg = Defaults(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
+    for name in ("d_model", "d_ff", "tokens", "timing_runs", "log_every"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.d_model < 2:
+        parser.error(f"--d-model must be >= 2 (the last feature carries the threshold), "
+                     f"got {cfg.d_model}")
+    if not 0.0 < cfg.density < 1.0:
+        parser.error(f"--density must be in (0, 1), got {cfg.density}")
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------
+# Data and layers.
+
+
+def make_inputs(key: jax.Array, tokens: int, d_model: int) -> jax.Array:
+    """[tokens, d_model] float32 Gaussian rows whose last feature is 1 (the threshold input)."""
+    x = jax.random.normal(key, (tokens, d_model), jnp.float32)
+    return x.at[:, -1].set(1.0)
+
+
+def set_gate_threshold(layer: nnx.Module, density: float) -> None:
+    """Makes ``relu(x @ w_gate)`` active for about ``density`` of units on ``make_inputs`` rows.
+
+    Unit j's pre-activation is ``sum_{i<D-1} x_i w_ij + w_{D-1,j}``, Gaussian with standard
+    deviation ``||w_{:D-1,j}||``; the last row is set to minus that times the (1 - density)
+    quantile of a standard normal.
+    """
+    w = layer.w_gate[...]
+    z = float(jax.scipy.special.ndtri(1.0 - density))
+    threshold = z * jnp.linalg.norm(w[:-1], axis=0)
+    layer.w_gate[...] = w.at[-1].set(-threshold.astype(w.dtype))
+
+
+def build_layer(cfg: Defaults, implementation: str, seed: int) -> nn.SparseGatedMLP:
+    """The same parameters for a given seed, whatever the implementation."""
+    layer = nn.SparseGatedMLP(cfg.d_model, cfg.d_ff, implementation=implementation,
+                              rngs=nnx.Rngs(seed))
+    set_gate_threshold(layer, cfg.density)
+    return layer
+
+
+def pallas_unavailable() -> str | None:
+    """Why "pallas" cannot run here, or None. Only a missing backend module counts."""
+    try:
+        import twell_jax.pallas_backend  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "twell_jax.pallas_backend":
+            raise
+        return "twell_jax.pallas_backend does not exist yet"
+    return None
+
+
+def numpy_reference(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray,
+                    w_down: np.ndarray) -> np.ndarray:
+    """The gated FFN in float64 numpy."""
+    x, w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down))
+    return (np.maximum(x @ w_gate, 0.0) * (x @ w_up)) @ w_down
+
+
+def _forward_fn(layer: nnx.Module):
+    """A jitted pure function (state, x) -> (y, FFNStats) for ``layer``."""
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit
+    def forward(state, x):
+        y, intermediates = nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate)(x)
+        (stats,) = nn.sown_stats(intermediates)
+        return y, stats
+
+    return forward, state
+
+
+# ------------------------------------------------------------------------------------------
+# 1 + 2: check and time every implementation.
+
+
+def check_and_time(cfg: Defaults, log) -> list[dict]:
+    x32 = make_inputs(jax.random.key(cfg.seed + 1), cfg.tokens, cfg.d_model)
+    reason = pallas_unavailable() if "pallas" in cfg.implementations else None
+    if reason:
+        print(f"pallas: unavailable ({reason}); skipping it.")
+    rows = []
+    for dtype_name in cfg.dtypes:
+        dtype = jnp.dtype(dtype_name)
+        x = x32.astype(dtype)
+        for implementation in cfg.implementations:
+            if implementation == "pallas" and reason:
+                continue
+            layer = build_layer(cfg, implementation, cfg.seed)
+            # The float64 reference sees exactly the rounded values the layer computes with.
+            weights = [np.asarray(w[...].astype(dtype).astype(jnp.float32))
+                       for w in (layer.w_gate, layer.w_up, layer.w_down)]
+            ref = numpy_reference(np.asarray(x.astype(jnp.float32)), *weights)
+            forward, state = _forward_fn(layer)
+            try:
+                y, stats = jax.block_until_ready(forward(state, x))  # compile + warm-up
+            except NotImplementedError as e:
+                if implementation != "pallas":
+                    raise
+                print(f"pallas: unavailable ({e}); skipping it.")
+                continue
+            diff = np.asarray(y, np.float64) - ref
+            # A second warm-up: the first Pallas call in a process registers a JAX config value
+            # (pallas_fuser_disable_nested_fuse) in the tracing context, so a function traced
+            # before it re-traces and recompiles once on its next call.
+            jax.block_until_ready(forward(state, x))
+            times = []
+            for _ in range(cfg.timing_runs):
+                start = time.perf_counter()
+                jax.block_until_ready(forward(state, x))
+                times.append(time.perf_counter() - start)
+            row = dict(
+                implementation=implementation, dtype=dtype_name, tokens=cfg.tokens,
+                d_model=cfg.d_model, d_ff=cfg.d_ff, device=jax.devices()[0].device_kind,
+                rel_err=float(np.linalg.norm(diff) / np.linalg.norm(ref)),
+                max_abs_err=float(np.max(np.abs(diff))),
+                ms_median=1e3 * statistics.median(times), ms_min=1e3 * min(times),
+                ms_max=1e3 * max(times),
+                nnz_mean=float(stats.nnz_mean), nnz_max=int(stats.nnz_max),
+                heavy_rows=int(stats.heavy_rows), dense_fallback=bool(stats.dense_fallback),
+            )
+            if not np.isfinite(row["rel_err"]):
+                raise FloatingPointError(f"{implementation} {dtype_name}: non-finite output")
+            rows.append(row)
+            log({"kind": "check", **row})
+    print_table(rows, cfg)
+    return rows
+
+
+def print_table(rows: list[dict], cfg: Defaults) -> None:
+    print(f"\nSparseGatedMLP forward: M={cfg.tokens} D={cfg.d_model} F={cfg.d_ff}, target density "
+          f"{cfg.density:.1%}, device {jax.devices()[0].device_kind}; error vs float64 numpy; "
+          f"time = median [min, max] of {cfg.timing_runs} jitted calls")
+    header = (f"{'implementation':<14} {'dtype':<9} {'rel err':>9} {'max abs':>9} "
+              f"{'ms/call':>9} {'[min, max]':>17} {'nnz mean':>9} {'nnz max':>8} "
+              f"{'heavy':>6} {'dense':>6}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        spread = f"[{r['ms_min']:.2f}, {r['ms_max']:.2f}]"
+        print(f"{r['implementation']:<14} {r['dtype']:<9} {r['rel_err']:>9.2e} "
+              f"{r['max_abs_err']:>9.2e} {r['ms_median']:>9.2f} {spread:>17} "
+              f"{r['nnz_mean']:>9.1f} {r['nnz_max']:>8d} {r['heavy_rows']:>6d} "
+              f"{str(r['dense_fallback']):>6}")
+    print()
+
+
+# ------------------------------------------------------------------------------------------
+# 3: train with the L1 penalty read from the sown statistics.
+
+
+def train(cfg: Defaults, log) -> list[dict]:
+    dtype = jnp.dtype(cfg.train_dtype)
+    if cfg.train_implementation == "pallas" and (reason := pallas_unavailable()):
+        print(f"pallas: unavailable ({reason}); skipping training.")
+        return []
+    x = make_inputs(jax.random.key(cfg.seed + 2), cfg.tokens, cfg.d_model).astype(dtype)
+    teacher = build_layer(cfg, "xla", cfg.seed + 3)
+    target = teacher(x.astype(jnp.float32))
+    target_power = jnp.mean(target**2)
+    model = build_layer(cfg, cfg.train_implementation, cfg.seed)
+    optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, target):
+        def loss_fn(model):
+            y, intermediates = nnx.capture(model, nnx.Intermediate)(x)
+            mse = jnp.mean((y.astype(jnp.float32) - target) ** 2) / target_power
+            l1 = nn.l1_penalty(intermediates)
+            (stats,) = nn.sown_stats(intermediates)
+            return mse + cfg.l1_coeff * l1, (mse, stats)
+
+        (loss, (mse, stats)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return loss, mse, stats
+
+    print(f"Training SparseGatedMLP ({cfg.train_implementation}, {cfg.train_dtype}) on a toy "
+          f"regression target: loss = mse / mean(target^2) + {cfg.l1_coeff:g} * stats.l1")
+    history = []
+    # disable=None: the bar shows on a terminal only; the log lines below always print.
+    bar = tqdm(range(1, cfg.train_steps + 1), desc="train", unit="step", leave=False,
+               disable=None)
+    for step in bar:
+        loss, mse, stats = train_step(model, optimizer, x, target)
+        rec = dict(step=step, loss=float(loss), mse=float(mse), l1=float(stats.l1),
+                   nnz_mean=float(stats.nnz_mean), heavy_rows=int(stats.heavy_rows))
+        history.append(rec)
+        bar.set_postfix(loss=f"{rec['loss']:.4f}", nnz=f"{rec['nnz_mean']:.1f}")
+        if step == 1 or step % cfg.log_every == 0 or step == cfg.train_steps:
+            tqdm.write(f"step {step:4d}  loss {rec['loss']:.4f}  mse {rec['mse']:.4f}  "
+                       f"l1 {rec['l1']:.3f}  nnz/token {rec['nnz_mean']:.1f} of {cfg.d_ff}  "
+                       f"heavy rows {rec['heavy_rows']}")
+            log({"kind": "train", **rec})
+    bar.close()
+    if history:
+        first, last = history[0]["loss"], history[-1]["loss"]
+        print(f"loss {first:.4f} -> {last:.4f} over {len(history)} steps")
+    return history
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    cfg = parse_args(argv)
+    sink = open(cfg.jsonl, "a") if cfg.jsonl else None
+
+    def log(record: dict) -> None:
+        if sink:
+            sink.write(json.dumps(record) + "\n")
+
+    try:
+        rows = check_and_time(cfg, log)
+        history = train(cfg, log) if cfg.train_steps > 0 else []
+    finally:
+        if sink:
+            sink.close()
+    return {"rows": rows, "history": history}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
