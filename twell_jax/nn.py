@@ -46,8 +46,10 @@ def _check_size(name: str, value: Any) -> int:
 
 
 def _check_dtype(name: str, dtype: Any, allow_none: bool):
-    if dtype is None and allow_none:
-        return None
+    if dtype is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{name} must be a floating-point dtype, got None")
     try:
         dt = jnp.dtype(dtype)
     except TypeError as e:
