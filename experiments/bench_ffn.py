@@ -161,7 +161,7 @@ def sparsity_stats(x, w_gate, config: tj.TwELLConfig) -> tuple[dict, np.ndarray]
     counts = counts_of(x, w_gate)
     nnz = np.asarray(counts.sum(1))
     over = np.asarray(counts > config.slots_per_tile)
-    heavy = np.asarray(heavy_rows(counts, config.slots_per_tile))
+    heavy = np.asarray(heavy_rows(counts, config, f))
     return {
         "nnz_mean": float(nnz.mean()),
         "nnz_p99": float(np.percentile(nnz, 99)),

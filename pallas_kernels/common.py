@@ -6,6 +6,12 @@ import functools
 
 import jax
 
+# Importing the fuser registers the jit-cache config "pallas_fuser_disable_nested_fuse". JAX
+# imports it lazily at the first Pallas call, which changes the cache key and silently
+# recompiles (~1.6 s) every function traced before that call; importing it here, with the
+# kernels, keeps timings and caches stable.
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401
+
 
 @functools.cache
 def default_interpret() -> bool:

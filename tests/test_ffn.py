@@ -1,5 +1,6 @@
 """gated_mlp / mlp: every implementation against float64, gradients against jax.vjp of dense."""
 
+import dataclasses
 import functools
 
 import jax
@@ -16,8 +17,10 @@ SPARSE_IMPLS = ("reference", "pallas")
 DTYPES = (jnp.float32, jnp.bfloat16)
 # An awkward shape: nothing divides a tile or a block.
 M, D, F = 42, 72, 200
-# dense_fallback_density=1: the Pallas kernels must run on every pattern, however dense.
-CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=1.0)
+# No density switch and no row cap: the sparse kernels must run on every pattern, however dense
+# (heavy rows still come from tiles over S).
+CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=1.0,
+                        max_row_density=1.0)
 
 
 def _call(gated, x, weights, **kwargs):
@@ -97,8 +100,7 @@ def test_backup_capacity_boundary_stays_exact(implementation):
     heavy = int(stats.heavy_rows)
     assert heavy > 1
     for capacity, overflow in [(heavy, False), (heavy - 1, True), (0, True)]:
-        config = tj.TwELLConfig(tile_width=32, slots_per_tile=4, backup_rows=capacity,
-                                dense_fallback_density=1.0)
+        config = dataclasses.replace(CONFIG, backup_rows=capacity)
         y, stats = tj.gated_mlp(x, *weights, implementation=implementation, config=config,
                                 return_stats=True)
         assert bool(stats.backup_overflow) == overflow
@@ -119,11 +121,25 @@ def test_pallas_switches_to_dense_past_the_density_threshold():
     x, *weights = make_ffn_inputs(4, M, D, F, "uniform", jnp.float32, density=0.1)
     expected, _ = ffn_float64(x, *weights)
     for threshold, dense in [(0.02, True), (0.5, False)]:
-        config = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=threshold)
+        config = dataclasses.replace(CONFIG, dense_fallback_density=threshold)
         y, stats = tj.gated_mlp(x, *weights, implementation="pallas", config=config,
                                 return_stats=True)
         assert bool(stats.dense_fallback) == dense and not bool(stats.backup_overflow)
         assert_close(y, expected, jnp.float32, what=f"threshold {threshold}")
+
+
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+def test_rows_over_the_row_cap_take_the_backup(implementation):
+    x, *weights = make_ffn_inputs(8, M, D, F, "heavy_tailed", jnp.float32)
+    gate = np.asarray(x, np.float64) @ np.asarray(weights[0], np.float64) > 0
+    config = dataclasses.replace(CONFIG, max_row_density=0.05)  # cap: 10 of 200 units
+    tiles = np.pad(gate, ((0, 0), (0, 224 - F))).reshape(M, 7, 32).sum(-1)
+    heavy = (tiles > 4).any(1) | (gate.sum(1) > 10)
+    assert heavy.sum() > (tiles > 4).any(1).sum()  # the cap adds heavy rows
+    y, stats = tj.gated_mlp(x, *weights, implementation=implementation, config=config,
+                            return_stats=True)
+    assert int(stats.heavy_rows) == heavy.sum()
+    assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
 
 
 def test_nan_propagates_like_dense():

@@ -41,7 +41,8 @@ def _packing_case(draw):
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
     h = np.stack([_row(rng, k, f, tile, slots) for k in kinds])
-    return h, tj.TwELLConfig(tile_width=tile, slots_per_tile=slots)
+    density = draw(st.sampled_from([1 / 64, 0.1, 1.0]))
+    return h, tj.TwELLConfig(tile_width=tile, slots_per_tile=slots, max_row_density=density)
 
 
 @settings(max_examples=60, deadline=None)
@@ -56,7 +57,8 @@ def test_pack_round_trip_is_exact(case):
     padded = np.pad(h != 0, ((0, 0), (0, n_tiles * config.tile_width - h.shape[1])))
     counts = padded.reshape(h.shape[0], n_tiles, -1).sum(-1)
     np.testing.assert_array_equal(np.asarray(packed.counts), counts)
-    assert int(packed.num_heavy) == int((counts > config.slots_per_tile).any(1).sum())
+    heavy = (counts > config.slots_per_tile).any(1) | (counts.sum(1) > config.max_row_nnz(h.shape[1]))
+    assert int(packed.num_heavy) == int(heavy.sum())
     # Stored slots are in ascending column order within each (row, tile).
     cols = np.asarray(packed.columns)
     kept = np.minimum(counts, config.slots_per_tile)
@@ -70,7 +72,7 @@ def test_row_compact_keeps_every_stored_entry_in_order(case):
     h, config = case
     values, columns, counts = pack_tiles(jnp.asarray(h), config.tile_width, config.slots_per_tile)
     flat_values, flat_columns, row_nnz = row_compact(values, columns, counts, config.slots_per_tile)
-    heavy = np.asarray(heavy_rows(counts, config.slots_per_tile))
+    heavy = np.asarray(heavy_rows(counts, config, h.shape[1]))
     flat_values, flat_columns, row_nnz = map(np.asarray, (flat_values, flat_columns, row_nnz))
     for r in range(h.shape[0]):
         n = row_nnz[r]
@@ -109,7 +111,7 @@ def test_pack_works_under_jit_and_is_a_pytree():
 @pytest.mark.parametrize("kwargs", [
     dict(tile_width=48), dict(tile_width=8), dict(slots_per_tile=3),
     dict(tile_width=16, slots_per_tile=32), dict(backup_rows=-1),
-    dict(dense_fallback_density=1.5),
+    dict(dense_fallback_density=1.5), dict(max_row_density=0.0),
 ])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match="|".join(kwargs)):

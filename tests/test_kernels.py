@@ -21,6 +21,7 @@ from pallas_kernels.gated_up_down import (
     gated_up_down,
     gated_up_down_reference,
 )
+from pallas_kernels.sampled_dot import SampledDotConfig, sampled_dot, sampled_dot_reference
 from pallas_kernels.sparse_down import SparseDownConfig, sparse_down, sparse_down_reference
 
 INTERPRET = default_interpret()
@@ -441,3 +442,44 @@ def test_sparse_down_rejects_bad_shapes():
         sparse_down(values, columns, row_nnz[:8], w, config=cfg)
     with pytest.raises(ValueError, match="block_m"):
         SparseDownConfig(block_m=12)
+
+
+# --------------------------------------------------------------------------------------------
+# sampled_dot
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("m,d,f,k,block_m,block_d", UP_DOWN_SHAPES)
+def test_sampled_dot_matches_reference(m, d, f, k, block_m, block_d, dtype):
+    rng = np.random.default_rng(seed_of("sampled", m, d, k))
+    a, w, _, _, columns, row_nnz = make_up_down_inputs(m, d, f, k, dtype, dtype, rng)
+    config = SampledDotConfig(block_m=block_m, block_d=block_d)
+    out = sampled_dot(a, w, columns, row_nnz, config=config, interpret=INTERPRET)
+    ref = sampled_dot_reference(a, w, columns, row_nnz)
+    assert out.dtype == jnp.float32 and out.shape == (m, k)
+    assert_close(out, ref, jnp.float32 if dtype == jnp.float32 else dtype, "sampled")
+    # Independent check in float64, and exact zeros past each row's entries.
+    nnz = np.asarray(row_nnz)
+    cols = np.asarray(columns)
+    a64 = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    w64 = np.asarray(jnp.asarray(w, jnp.float32), np.float64)
+    got = np.asarray(out)
+    for row in range(m):
+        n = nnz[row]
+        np.testing.assert_allclose(got[row, :n], w64[cols[row, :n]] @ a64[row], rtol=2e-3,
+                                   atol=2e-3)
+        assert np.all(got[row, n:] == 0)
+
+
+def test_sampled_dot_rejects_bad_shapes():
+    a = jnp.ones((16, 64), jnp.bfloat16)
+    w = jnp.ones((32, 64), jnp.bfloat16)
+    cols = jnp.zeros((16, 4), jnp.int32)
+    nnz = jnp.ones((16,), jnp.int32)
+    with pytest.raises(ValueError, match=r"w has shape \(32, 63\)"):
+        sampled_dot(a, w[:, :63], cols, nnz)
+    with pytest.raises(ValueError, match="row_nnz has shape"):
+        sampled_dot(a, w, cols, nnz[:3])
+    with pytest.raises(ValueError, match="block_d=128"):
+        sampled_dot(a, w, cols, nnz, config=SampledDotConfig(block_m=16, block_d=128))

@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gate_pack import GatePackConfig, gate_pack
 from pallas_kernels.gated_up_down import GatedUpDownConfig, gated_up_down
+from pallas_kernels.sampled_dot import sampled_dot
 from pallas_kernels.sparse_down import sparse_down
 
 M, D, F, K = 256, 256, 512, 32
@@ -89,3 +90,11 @@ def test_sparse_down_lowers():
         fn, S((M, K), BF16), S((M, K), jnp.int32), S((M,), jnp.int32), S((F, D), BF16)
     )
     assert "twell_sparse_down" in module
+
+
+def test_sampled_dot_lowers():
+    module = export_for_cuda(
+        lambda *a: sampled_dot(*a, interpret=False),
+        S((M, D), BF16), S((F, D), BF16), S((M, K), jnp.int32), S((M,), jnp.int32),
+    )
+    assert "twell_sampled_dot" in module

@@ -26,6 +26,12 @@ class TwELLConfig:
         M/4, M), so it costs in proportion to the heavy rows and never overflows. An int:
         at most that many heavy rows take the backup; if more rows are heavy, the whole
         batch takes the exact dense path and the statistics report ``backup_overflow``.
+      max_row_density: a row with more than ``max_row_density * F`` active units is heavy too,
+        even if no tile overflows: such a row is cheaper in the dense backup (dense GEMMs on the
+        tensor cores) than as gathered weight rows. On the H100 a gathered non-zero moves two
+        4 KB rows (~2 ns at the measured ~4-5 TB/s) while a dense row costs ~0.1 us of GEMM,
+        so the break-even is near 60 of 5632 units; the default 1/64 (88 of 5632) keeps every
+        uniform ~28-unit token sparse and sends the heavy tail to the backup. ``1.0`` disables.
       dense_fallback_density: only for ``implementation="pallas"``: if the batch's mean
         fraction of active units per token exceeds this, the up/down projections run dense
         (decided on the device from the counts), since the sparse gathers cost more than
@@ -35,6 +41,7 @@ class TwELLConfig:
     tile_width: int = 128
     slots_per_tile: int = 8
     backup_rows: int | None = None
+    max_row_density: float = 1 / 64
     dense_fallback_density: float = 0.05
 
     def __post_init__(self):
@@ -49,6 +56,8 @@ class TwELLConfig:
             not isinstance(self.backup_rows, int) or self.backup_rows < 0
         ):
             raise ValueError(f"backup_rows must be None or an int >= 0, got {self.backup_rows!r}")
+        if not 0.0 < self.max_row_density <= 1.0:
+            raise ValueError(f"max_row_density must be in (0, 1], got {self.max_row_density!r}")
         if not 0.0 <= self.dense_fallback_density <= 1.0:
             raise ValueError(
                 f"dense_fallback_density must be in [0, 1], got {self.dense_fallback_density!r}"
@@ -62,6 +71,10 @@ class TwELLConfig:
     def num_tiles(self, d_ff: int) -> int:
         """Column tiles covering ``d_ff`` units (the last one padded)."""
         return -(-d_ff // self.tile_width)
+
+    def max_row_nnz(self, d_ff: int) -> int:
+        """Active units a row may have before it is heavy (at least one full tile's slots)."""
+        return max(self.slots_per_tile, int(self.max_row_density * d_ff))
 
     def row_slots(self, d_ff: int) -> int:
         """K = num_tiles * S: the most packed entries a light row can hold."""

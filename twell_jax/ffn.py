@@ -83,7 +83,7 @@ def _dense_with_stats(x, weights, gated, config):
         nnz_mean=jnp.mean(nnz.astype(_F32)),
         nnz_max=jnp.max(nnz),
         l1=jnp.mean(l1_rows),
-        heavy_rows=heavy_rows(counts, config.slots_per_tile).sum(dtype=jnp.int32),
+        heavy_rows=heavy_rows(counts, config, f).sum(dtype=jnp.int32),
         backup_overflow=jnp.asarray(False),
         dense_fallback=jnp.asarray(False),
     )
@@ -139,7 +139,7 @@ def _twell_forward(x, weights, gated, implementation, config):
     f = weights[0].shape[1]
     s = config.slots_per_tile
     values, columns, counts = backend.pack(x, weights[0], config)
-    heavy = heavy_rows(counts, s)
+    heavy = heavy_rows(counts, config, f)
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
     gate_values, columns, row_nnz = row_compact(values, columns, counts, s)

@@ -8,7 +8,8 @@ Layout, for a hidden activation ``h`` of shape [M, F] with ``T = tile_width``,
 - ``counts``  [M, n_tiles] int32: the *true* number of non-zeros of the (row, tile); it may
   exceed S, and then only the first S are stored. Slots ``s >= min(count, S)`` hold value 0
   and column 0; consumers mask them by the count, never by the value.
-- A row is *heavy* if any of its counts exceeds S. Heavy rows are kept whole in the dense
+- A row is *heavy* if any of its counts exceeds S, or if it has more than
+  ``config.max_row_nnz(F)`` non-zeros in all (such rows are cheaper dense). Heavy rows are kept whole in the dense
   backup: ``backup_index`` [B] int32 (heavy rows in ascending order, padded with M) and
   ``backup_values`` [B, F]. ``num_heavy`` is the true number of heavy rows; if it exceeds the
   capacity B the backup has *overflowed* (the FFN ops then take the exact dense path).
@@ -53,9 +54,10 @@ def pack_tiles(h: jax.Array, tile_width: int, slots_per_tile: int):
     return values, columns, counts
 
 
-def heavy_rows(counts: jax.Array, slots_per_tile: int) -> jax.Array:
-    """[M] bool: rows with more than S non-zeros in some tile."""
-    return jnp.any(counts > slots_per_tile, axis=-1)
+def heavy_rows(counts: jax.Array, config: TwELLConfig, d_ff: int) -> jax.Array:
+    """[M] bool: rows with more than S non-zeros in some tile, or too many in all."""
+    over_tile = jnp.any(counts > config.slots_per_tile, axis=-1)
+    return over_tile | (counts.sum(axis=-1) > config.max_row_nnz(d_ff))
 
 
 def heavy_row_index(heavy: jax.Array, capacity: int) -> jax.Array:
@@ -129,7 +131,7 @@ class TwELL:
 
     def heavy(self) -> jax.Array:
         """[M] bool: which rows are heavy."""
-        return heavy_rows(self.counts, self.config.slots_per_tile)
+        return heavy_rows(self.counts, self.config, self.d_ff)
 
     def to_dense(self) -> jax.Array:
         """[M, F]: h exactly, whenever the backup did not overflow."""
@@ -148,7 +150,7 @@ def pack(h: jax.Array, config: TwELLConfig | None = None) -> TwELL:
         raise ValueError(f"pack expects h of shape [M, F], got shape {h.shape}")
     m, f = h.shape
     values, columns, counts = pack_tiles(h, config.tile_width, config.slots_per_tile)
-    heavy = heavy_rows(counts, config.slots_per_tile)
+    heavy = heavy_rows(counts, config, f)
     capacity = m if config.backup_rows is None else min(config.backup_rows, m)
     index = heavy_row_index(heavy, capacity)
     backup_values = jnp.take(h, index, axis=0, mode="fill", fill_value=0)

@@ -5,8 +5,11 @@ active; D with zero features, which change no dot product; F with zero gate colu
 never active) and slices the results back, so callers can pass any M, D, F. Without a GPU the
 kernels run in interpret mode (``pallas_kernels.common.resolve_interpret``).
 
-Backward products (``sampled_dot``) still use the plain-jnp reference until the training
-kernels land; ``sparse_dot`` (dx) already runs on the ``sparse_down`` kernel.
+The gated up/down runs as two kernels by default (``UP_DOWN``): ``sampled_dot`` (u at the
+packed entries) then ``sparse_down`` of h = g * u. On the H100 that beat the single fused
+``gated_up_down`` kernel (see BENCHMARKS.md); ``"fused"`` selects the latter. The backward's
+sampled product (dh) and dx products run on the same two kernels; the transposed products
+(dW) still use the plain-jnp reference until the training kernels land.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import jax.numpy as jnp
 
 from pallas_kernels.gate_pack import gate_pack
 from pallas_kernels.gated_up_down import gated_up_down
+from pallas_kernels.sampled_dot import sampled_dot
 from pallas_kernels.sparse_down import sparse_down
-from twell_jax import sparse_ops
 from twell_jax.backends import Backend
 from twell_jax.config import TwELLConfig
 
 _ROW_MULTIPLE_SMALL = 16  # the tensor-core dot's minimum block
 _ROW_MULTIPLE = 64  # the gate GEMM's default block_m
 _D_BLOCK_MAX = 512
+UP_DOWN = "split"  # "split" (sampled_dot + sparse_down) or "fused" (gated_up_down)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -65,6 +69,10 @@ def _pad_lists(m_pad, *arrays):
 def _gated_up_down(x, w_up_t, w_down, gate_values, columns, row_nnz):
     m, d = x.shape
     f = w_up_t.shape[0]
+    if UP_DOWN == "split":
+        up_values = _sampled_dot(x, w_up_t, columns, row_nnz)
+        hidden = gate_values.astype(jnp.float32) * up_values
+        return _sparse_dot(hidden, columns, row_nnz, w_down), up_values
     m_pad, d_pad = _padded_rows(m), _padded_features(d)
     gate_values, columns, row_nnz = _pad_lists(m_pad, gate_values, columns, row_nnz)
     y, up_values = gated_up_down(
@@ -72,6 +80,15 @@ def _gated_up_down(x, w_up_t, w_down, gate_values, columns, row_nnz):
         gate_values, columns, row_nnz, return_up=True,  # u feeds the L1 statistic and backward
     )
     return y[:m, :d], up_values[:m]
+
+
+def _sampled_dot(a, w, columns, row_nnz):
+    m, d = a.shape
+    f = w.shape[0]
+    m_pad, d_pad = _padded_rows(m), _padded_features(d)
+    columns, row_nnz = _pad_lists(m_pad, columns, row_nnz)
+    out = sampled_dot(_pad(a, (m_pad, d_pad)), _pad(w, (f, d_pad)), columns, row_nnz)
+    return out[:m]
 
 
 def _sparse_dot(values, columns, row_nnz, w):
@@ -87,5 +104,5 @@ BACKEND = Backend(
     pack=_pack,
     gated_up_down=_gated_up_down,
     sparse_dot=_sparse_dot,
-    sampled_dot=sparse_ops.sampled_dot,
+    sampled_dot=_sampled_dot,
 )

@@ -1,0 +1,160 @@
+"""Sampled dense-dense product on row-compacted lists: ``out[m, k] = a[m] . w[columns[m, k]]``.
+
+Computed only for k < row_nnz[m] (0 elsewhere): the up projection at the gate's non-zeros
+(``u = x . w_up_t[j]``) and, in the backward, ``dh = dy . w_down[j]`` at the active entries.
+``w`` is feature-major ([F, D]) so each entry reads one contiguous D-row.
+
+One program per block of block_m rows (grid M / block_m), looping k up to the block's largest
+row_nnz (a dynamic bound) and, inside, over D in static chunks of block_d: the [block_m, block_d]
+slab of a is re-read per k from L1/L2 (it would not fit in registers at D = 2048), the weight
+rows are gathered with an index vector, and the products are reduced in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import is_power_of_two, resolve_interpret
+
+
+def _sampled_dot_kernel(a_ref, w_ref, columns_ref, nnz_ref, out_ref, *, block_m: int,
+                        block_d: int, d_model: int, num_slots: int):
+    """One program: rows [i * block_m, +block_m); out [M, K] float32."""
+    i = pl.program_id(0)
+    row0 = pl.multiple_of(i * block_m, block_m)
+    rows = pl.ds(row0, block_m)
+    nnz = jnp.minimum(nnz_ref[rows], num_slots)
+    k_end = jnp.max(nnz)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
+
+    def step(k, carry):
+        valid = k < nnz
+        c = jnp.where(valid, plgpu.load(columns_ref.at[rows, k], mask=valid, other=0), 0)
+        wmask = jnp.broadcast_to(valid[:, None], (block_m, block_d))
+        dot = jnp.zeros((block_m,), jnp.float32)
+        for d0 in range(0, d_model, block_d):  # static chunks
+            a = a_ref[rows, pl.ds(d0, block_d)].astype(jnp.float32)
+            w = plgpu.load(w_ref.at[c[:, None], d0 + lane], mask=wmask, other=0)
+            dot = dot + jnp.sum(a * w.astype(jnp.float32), axis=1)
+        plgpu.store(out_ref.at[rows, k], jnp.where(valid, dot, 0.0))
+        return carry
+
+    jax.lax.fori_loop(0, k_end, step, 0)
+
+    def zero_step(k, carry):  # entries past the block's longest row: defined zeros
+        out_ref[rows, k] = jnp.zeros((block_m,), jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(k_end, num_slots, zero_step, 0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SampledDotConfig:
+    """Block sizes and Triton knobs of :func:`sampled_dot`.
+
+    Attributes:
+      block_m: rows per program (power of two).
+      block_d: D chunk (power of two): the contiguous segment of each gathered weight row.
+      num_warps: Triton warps per program.
+      num_stages: Triton pipelining stages of the k loop.
+    """
+
+    block_m: int = 16
+    block_d: int = 512
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_d", "num_warps"):
+            v = getattr(self, name)
+            if not is_power_of_two(v):
+                raise ValueError(f"{name} must be a power of two, got {v!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+
+
+def default_sampled_dot_config(m: int, k: int, f: int, d: int, dtype) -> SampledDotConfig:
+    """Default blocks: 16 rows x 512-wide chunks, the shape of the fastest gathers measured
+    for ``sparse_down`` on the H100 (DESIGN.md: 16 x 512 reached 4.3 TB/s). Untuned here."""
+    del k, f, dtype
+    block_m = 16
+    while block_m > 1 and m % block_m:
+        block_m //= 2
+    block_d = 512
+    while block_d > 1 and d % block_d:
+        block_d //= 2
+    return SampledDotConfig(block_m=block_m, block_d=block_d)
+
+
+def _check_args(a, w, columns, row_nnz):
+    if a.ndim != 2:
+        raise ValueError(f"a must be 2-D [M, D], got shape {a.shape}")
+    m, d = a.shape
+    if w.ndim != 2 or w.shape[1] != d:
+        raise ValueError(f"w has shape {w.shape}, expected (F, {d})")
+    if columns.ndim != 2 or columns.shape[0] != m:
+        raise ValueError(f"columns has shape {columns.shape}, expected ({m}, K)")
+    if row_nnz.shape != (m,):
+        raise ValueError(f"row_nnz has shape {row_nnz.shape}, expected ({m},)")
+    if columns.dtype != jnp.int32 or row_nnz.dtype != jnp.int32:
+        raise ValueError(
+            f"columns and row_nnz must be int32, got {columns.dtype} and {row_nnz.dtype}")
+    return m, columns.shape[1], w.shape[0], d
+
+
+def sampled_dot(a: jax.Array, w: jax.Array, columns: jax.Array, row_nnz: jax.Array, *,
+                config: SampledDotConfig | None = None,
+                interpret: bool | None = None) -> jax.Array:
+    """``out[m, k] = a[m] . w[columns[m, k]]`` for k < row_nnz[m], else 0.
+
+    Args:
+      a: [M, D] (bf16 or f32).
+      w: [F, D] (feature-major weights).
+      columns: [M, K] int32 (valid entries in [0, F)).
+      row_nnz: [M] int32; entries k < min(row_nnz[m], K) are computed, the rest are 0.
+      config: ``default_sampled_dot_config`` when None. Requires M % block_m == 0 and
+        D % block_d == 0 (the caller pads).
+      interpret: run the Pallas interpreter (None: iff no GPU).
+
+    Returns:
+      [M, K] float32.
+    """
+    m, k, f, d = _check_args(a, w, columns, row_nnz)
+    if config is None:
+        config = default_sampled_dot_config(m, k, f, d, a.dtype)
+    if m % config.block_m:
+        raise ValueError(f"M={m} is not a multiple of block_m={config.block_m}")
+    if d % config.block_d:
+        raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
+    kernel = functools.partial(_sampled_dot_kernel, block_m=config.block_m,
+                               block_d=config.block_d, d_model=d, num_slots=k)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, k), jnp.float32),
+        grid=(m // config.block_m,),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=resolve_interpret(interpret),
+        name="twell_sampled_dot",
+    )(a, w, columns, row_nnz)
+
+
+def sampled_dot_reference(a: jax.Array, w: jax.Array, columns: jax.Array,
+                          row_nnz: jax.Array) -> jax.Array:
+    """Plain-jnp :func:`sampled_dot` (fp32, a loop over k gathering [M, D] rows)."""
+    m, k, _, _ = _check_args(a, w, columns, row_nnz)
+    nnz = jnp.clip(row_nnz, 0, k)
+    a32 = a.astype(jnp.float32)
+
+    def step(kk, out):
+        valid = kk < nnz
+        rows = w[jnp.where(valid, columns[:, kk], 0)].astype(jnp.float32)
+        return out.at[:, kk].set(jnp.where(valid, jnp.sum(a32 * rows, axis=1), 0.0))
+
+    return jax.lax.fori_loop(0, jnp.max(nnz, initial=0), step, jnp.zeros((m, k), jnp.float32))
