@@ -37,7 +37,10 @@ import numpy as np
 import twell_jax as tj
 from pallas_kernels import gate_pack as gp
 from pallas_kernels import gated_up_down as gud
+from pallas_kernels import pack_tiles as pt
+from pallas_kernels import sampled_dot as sdot
 from pallas_kernels import sparse_down as sd
+from twell_jax import pallas_backend as pb
 from twell_jax.format import heavy_rows, row_compact
 
 
@@ -243,6 +246,13 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     base = measure("xla dense FFN", dense, x, w_gate, w_up, w_down)
     measure("pallas TwELL FFN", sparse, x, w_gate, w_up, w_down,
             fallback=bool(sparse(x, w_gate, w_up, w_down)[1].dense_fallback))
+    for options in (pb.PallasOptions(pack="two_stage", up_down="split"),
+                    pb.PallasOptions(pack="fused", up_down="fused"),
+                    pb.PallasOptions(pack="two_stage", up_down="fused")):
+        with pb.use_options(options):
+            fn = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=config))
+            measure(f"pallas TwELL FFN [pack {options.pack}, up/down {options.up_down}]", fn,
+                    x, w_gate, w_up, w_down)
     no_switch = dataclasses.replace(config, dense_fallback_density=1.0)
     forced = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=no_switch))
     measure("pallas TwELL FFN, sparse forced", forced, x, w_gate, w_up, w_down)
@@ -258,7 +268,8 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
                     (64, 1, 4, 4, 1, "cumsum"), (64, 2, 4, 4, 8, "cumsum"),
                     (64, 2, 8, 3, 8, "cumsum"), (128, 1, 8, 3, 8, "cumsum"),
                     (128, 2, 8, 3, 8, "cumsum"), (64, 4, 8, 3, 8, "cumsum"),
-                    (128, 2, 8, 3, 8, "matmul"), (64, 2, 4, 4, 8, "matmul")):
+                    (128, 2, 8, 2, 8, "cumsum"), (128, 1, 8, 4, 8, "cumsum"),
+                    (64, 1, 4, 3, 8, "cumsum"), (64, 1, 4, 4, 32, "cumsum")):
                 pack_variants.append((
                     f"{prefix} bm{bm} n{tpp}x{config.tile_width} w{warps} s{stages} g{group}",
                     gp.GatePackConfig(block_m=bm, block_k=64, num_warps=warps, num_stages=stages,
@@ -268,6 +279,10 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
                 a, b, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile,
                 config=cfg))
             measure(f"stage: gate GEMM + pack [{name}]", fn, x, w_gate, check=False)
+        two_stage = jax.jit(lambda a, b: pt.pack_tiles(
+            jnp.dot(a, b), tile_width=config.tile_width, slots_per_tile=config.slots_per_tile))
+        measure("stage: gate two-stage (XLA GEMM + pack_tiles)", two_stage, x, w_gate,
+                check=False)
         values, columns, counts = jax.jit(lambda a, b: gp.gate_pack(
             a, b, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile))(x, w_gate)
         compact = jax.jit(lambda v, c, n: row_compact(v, c, n, config.slots_per_tile))
@@ -288,6 +303,9 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
             fn = jax.jit(lambda *a, cfg=cfg: gud.gated_up_down(*a, config=cfg))
             measure(f"stage: fused up/down [{name}]", fn, x, w_up_t, w_down, gv, cols, nnz,
                     check=False)
+        up = jax.jit(lambda a, w, c, n: sdot.sampled_dot(a, w, c, n))
+        measure("stage: sampled_dot alone (u at the entries)", up, x, w_up_t, cols, nnz,
+                check=False)
         down = jax.jit(lambda v, c, n, w: sd.sparse_down(v, c, n, w))
         measure("stage: sparse_down alone (half the gathers)", down, gv, cols, nnz, w_down,
                 check=False)

@@ -108,7 +108,16 @@ def _gate_pack_kernel(
     if b_ref is not None:
         acc = acc + b_ref[pl.ds(col0, block_n)].astype(jnp.float32)[None, :]
 
-    # --- epilogue: pack each [block_m, T] tile of the [block_m, n * T] block -------------------
+    pack_block(acc, values_ref, columns_ref, counts_ref, row0=row0, tile0=c * n_sub,
+               tile_width=tile_width, slots_per_tile=slots_per_tile, prefix_sum=prefix_sum)
+
+
+def pack_block(acc, values_ref, columns_ref, counts_ref, *, row0, tile0, tile_width: int,
+               slots_per_tile: int, prefix_sum: PrefixSum):
+    """The packing epilogue: stores the [block_m, n * T] fp32 block ``acc`` (rows from ``row0``,
+    tiles from ``tile0``) as per-tile slots and counts. Shared with ``pack_tiles``."""
+    block_m, block_n = acc.shape
+    n_sub = block_n // tile_width
     shape = (block_m, n_sub, tile_width)
     acc = acc.reshape(shape)
     positive = jnp.logical_not(acc <= 0.0)  # > 0 or NaN: the non-zeros of relu(acc)
@@ -130,15 +139,14 @@ def _gate_pack_kernel(
     slot = jnp.where(positive, excl, count[:, :, None] + (lane - excl))
     enabled = slot < slots_per_tile
     slot = jnp.where(enabled, slot, slots_per_tile)  # out of range of the slot axis when masked
+    sub = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     rows = row0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-    tiles = c * n_sub + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     vals = jnp.where(positive, acc, 0.0).astype(values_ref.dtype)
-    cols = jnp.where(positive, col0 + tile_width * jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-                     + lane, 0)
-    plgpu.store(values_ref.at[rows, tiles, slot], vals, mask=enabled)
-    plgpu.store(columns_ref.at[rows, tiles, slot], cols, mask=enabled)
+    cols = jnp.where(positive, (tile0 + sub) * tile_width + lane, 0)
+    plgpu.store(values_ref.at[rows, tile0 + sub, slot], vals, mask=enabled)
+    plgpu.store(columns_ref.at[rows, tile0 + sub, slot], cols, mask=enabled)
     count_rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, n_sub), 0)
-    count_tiles = c * n_sub + jax.lax.broadcasted_iota(jnp.int32, (block_m, n_sub), 1)
+    count_tiles = tile0 + jax.lax.broadcasted_iota(jnp.int32, (block_m, n_sub), 1)
     plgpu.store(counts_ref.at[count_rows, count_tiles], count)
 
 
@@ -316,22 +324,30 @@ def gate_pack_reference(
     tile_width: int,
     slots_per_tile: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Plain-jnp :func:`gate_pack`: fp32 GEMM at HIGHEST precision, then a stable argsort pack."""
-    m, _, f = _check_pack_args(x, w, bias, tile_width, slots_per_tile)
+    """Plain-jnp :func:`gate_pack`: fp32 GEMM at HIGHEST precision, then ``pack_reference``."""
+    _check_pack_args(x, w, bias, tile_width, slots_per_tile)
     pre = jnp.dot(
         x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
     if bias is not None:
         pre = pre + bias.astype(jnp.float32)[None, :]
+    values, columns, counts = pack_reference(pre, tile_width, slots_per_tile)
+    return values.astype(x.dtype), columns, counts
+
+
+def pack_reference(pre: jax.Array, tile_width: int, slots_per_tile: int):
+    """Packs relu(pre) [M, F] per tile in plain jnp (F % tile_width == 0): a stable sort on
+    "not positive" puts each tile's positive lanes first, in ascending column order.
+    Returns values [M, F//T, S] pre.dtype, columns [M, F//T, S] int32, counts [M, F//T] int32."""
+    m, f = pre.shape
     num_tiles = f // tile_width
     pre = pre.reshape(m, num_tiles, tile_width)
-    positive = jnp.logical_not(pre <= 0.0)
+    positive = jnp.logical_not(pre <= 0.0)  # > 0 or NaN
     counts = jnp.sum(positive, axis=-1, dtype=jnp.int32)
-    # Stable sort on "not positive": positive lanes first, in ascending column order.
     order = jnp.argsort(jnp.logical_not(positive).astype(jnp.int32), axis=-1, stable=True)
     order = order[..., :slots_per_tile].astype(jnp.int32)
     used = jnp.arange(slots_per_tile, dtype=jnp.int32) < counts[..., None]
-    values = jnp.where(used, jnp.take_along_axis(pre, order, axis=-1), 0.0).astype(x.dtype)
+    values = jnp.where(used, jnp.take_along_axis(pre, order, axis=-1), 0.0).astype(pre.dtype)
     tile0 = (np.arange(num_tiles, dtype=np.int32) * tile_width)[None, :, None]
     columns = jnp.where(used, order + tile0, 0)
     return values, columns, counts

@@ -142,6 +142,18 @@ def test_rows_over_the_row_cap_take_the_backup(implementation):
     assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
 
 
+@pytest.mark.parametrize("pack,up_down", [("two_stage", "split"), ("fused", "fused")])
+def test_pallas_options_compute_the_same_function(pack, up_down):
+    from twell_jax import pallas_backend
+
+    x, *weights = make_ffn_inputs(12, M, D, F, "heavy_tailed", jnp.bfloat16)
+    with pallas_backend.use_options(pallas_backend.PallasOptions(pack=pack, up_down=up_down)):
+        y, stats = jax.jit(lambda x, w: tj.gated_mlp(x, *w, implementation="pallas",
+                                                     config=CONFIG, return_stats=True))(x, weights)
+    assert int(stats.heavy_rows) > 0
+    assert_close(y, ffn_float64(x, *weights)[0], jnp.bfloat16)
+
+
 def test_nan_propagates_like_dense():
     x, *weights = make_ffn_inputs(1, M, D, F, "uniform", jnp.float32)
     x = x.at[3, 5].set(jnp.nan)

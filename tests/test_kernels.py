@@ -21,6 +21,7 @@ from pallas_kernels.gated_up_down import (
     gated_up_down,
     gated_up_down_reference,
 )
+from pallas_kernels.pack_tiles import PackTilesConfig, pack_tiles, pack_tiles_reference
 from pallas_kernels.sampled_dot import SampledDotConfig, sampled_dot, sampled_dot_reference
 from pallas_kernels.sparse_down import SparseDownConfig, sparse_down, sparse_down_reference
 
@@ -483,3 +484,34 @@ def test_sampled_dot_rejects_bad_shapes():
         sampled_dot(a, w, cols, nnz[:3])
     with pytest.raises(ValueError, match="block_d=128"):
         sampled_dot(a, w, cols, nnz, config=SampledDotConfig(block_m=16, block_d=128))
+
+
+# --------------------------------------------------------------------------------------------
+# pack_tiles (the packing pass alone)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("tiles_per_program,prefix_sum", [(1, "cumsum"), (2, "matmul")])
+def test_pack_tiles_matches_reference(tiles_per_program, prefix_sum, dtype):
+    m, d, f, t, s = 48, 64, 256, 32, 4
+    rng = np.random.default_rng(seed_of("pack_tiles", tiles_per_program, prefix_sum))
+    x, w, _ = make_gate_inputs(m, d, f, t, s, dtype, "special", rng)
+    h = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)  # exact: integers
+    config = PackTilesConfig(block_m=16, tiles_per_program=tiles_per_program,
+                             prefix_sum=prefix_sum)
+    got = pack_tiles(h, tile_width=t, slots_per_tile=s, config=config, interpret=INTERPRET)
+    ref = pack_tiles_reference(h, tile_width=t, slots_per_tile=s)
+    via_gate = gate_pack_reference(x, w, tile_width=t, slots_per_tile=s)
+    for a, r, g in zip(got, ref, via_gate):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32))
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(g, np.float32))
+    check_packed_invariants(*got, t, s)
+
+
+def test_pack_tiles_rejects_bad_shapes():
+    h = jnp.ones((16, 96), jnp.bfloat16)
+    with pytest.raises(ValueError, match="tile_width=64"):
+        pack_tiles(h, tile_width=64, slots_per_tile=4)
+    with pytest.raises(ValueError, match="block_m=32"):
+        pack_tiles(h, tile_width=32, slots_per_tile=4, config=PackTilesConfig(block_m=32))

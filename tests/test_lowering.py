@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gate_pack import GatePackConfig, gate_pack
 from pallas_kernels.gated_up_down import GatedUpDownConfig, gated_up_down
+from pallas_kernels.pack_tiles import pack_tiles
 from pallas_kernels.sampled_dot import sampled_dot
 from pallas_kernels.sparse_down import sparse_down
 
@@ -98,3 +99,11 @@ def test_sampled_dot_lowers():
         S((M, D), BF16), S((F, D), BF16), S((M, K), jnp.int32), S((M,), jnp.int32),
     )
     assert "twell_sampled_dot" in module
+
+
+def test_pack_tiles_lowers():
+    module = export_for_cuda(
+        lambda h: pack_tiles(h, tile_width=128, slots_per_tile=8, interpret=False),
+        S((M, F), BF16),
+    )
+    assert "twell_pack_tiles" in module

@@ -99,7 +99,8 @@ def _backup_sizes(m: int, config: TwELLConfig) -> tuple[int, ...]:
     if config.backup_rows is not None:
         capacity = min(config.backup_rows, m)
         return (capacity,) if capacity > 0 else ()
-    return tuple(sorted({max(1, -(-m // 64)), max(1, -(-m // 16)), max(1, -(-m // 4)), m}))
+    # Factor-2 steps from M/64 to M: the backup never computes more than twice the heavy rows.
+    return tuple(sorted({max(1, -(-m // 2**e)) for e in range(7)}))
 
 
 def _backup_branch(num_heavy: jax.Array, sizes: tuple[int, ...]) -> jax.Array:

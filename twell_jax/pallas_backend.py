@@ -5,20 +5,24 @@ active; D with zero features, which change no dot product; F with zero gate colu
 never active) and slices the results back, so callers can pass any M, D, F. Without a GPU the
 kernels run in interpret mode (``pallas_kernels.common.resolve_interpret``).
 
-The gated up/down runs as two kernels by default (``UP_DOWN``): ``sampled_dot`` (u at the
-packed entries) then ``sparse_down`` of h = g * u. On the H100 that beat the single fused
-``gated_up_down`` kernel (see BENCHMARKS.md); ``"fused"`` selects the latter. The backward's
-sampled product (dh) and dx products run on the same two kernels; the transposed products
-(dW) still use the plain-jnp reference until the training kernels land.
+How each stage runs is chosen by ``PallasOptions`` (defaults from the H100 measurements in
+BENCHMARKS.md; ``use_options`` switches them for benchmarks). The backward's sampled product
+(dh) and dx products run on the ``sampled_dot`` / ``sparse_down`` kernels; the transposed
+products (dW) still use the plain-jnp reference until the training kernels land.
 """
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gate_pack import gate_pack
 from pallas_kernels.gated_up_down import gated_up_down
+from pallas_kernels.pack_tiles import pack_tiles
 from pallas_kernels.sampled_dot import sampled_dot
 from pallas_kernels.sparse_down import sparse_down
 from twell_jax.backends import Backend
@@ -27,7 +31,42 @@ from twell_jax.config import TwELLConfig
 _ROW_MULTIPLE_SMALL = 16  # the tensor-core dot's minimum block
 _ROW_MULTIPLE = 64  # the gate GEMM's default block_m
 _D_BLOCK_MAX = 512
-UP_DOWN = "split"  # "split" (sampled_dot + sparse_down) or "fused" (gated_up_down)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasOptions:
+    """Which kernels the "pallas" backend runs.
+
+    Attributes:
+      pack: "fused" (``gate_pack``: GEMM + packing epilogue, the dense gate never stored) or
+        "two_stage" (XLA's GEMM writes the dense gate, ``pack_tiles`` packs it).
+      up_down: "split" (``sampled_dot`` for u, then ``sparse_down`` of h = g * u) or "fused"
+        (the single ``gated_up_down`` kernel).
+    """
+
+    pack: Literal["fused", "two_stage"] = "fused"
+    up_down: Literal["split", "fused"] = "split"
+
+    def __post_init__(self):
+        if self.pack not in ("fused", "two_stage"):
+            raise ValueError(f"pack must be 'fused' or 'two_stage', got {self.pack!r}")
+        if self.up_down not in ("split", "fused"):
+            raise ValueError(f"up_down must be 'split' or 'fused', got {self.up_down!r}")
+
+
+OPTIONS = PallasOptions()
+
+
+@contextlib.contextmanager
+def use_options(options: PallasOptions):
+    """Runs the "pallas" backend with ``options`` inside the block (functions traced there
+    keep them). For benchmarks and tests; not thread-safe."""
+    global OPTIONS
+    saved, OPTIONS = OPTIONS, options
+    try:
+        yield
+    finally:
+        OPTIONS = saved
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -55,10 +94,14 @@ def _pack(x: jax.Array, w: jax.Array, config: TwELLConfig):
     f = w.shape[1]
     m_pad, d_pad = _padded_rows(m), _padded_features(d)
     f_pad = config.num_tiles(f) * config.tile_width
-    values, columns, counts = gate_pack(
-        _pad(x, (m_pad, d_pad)), _pad(w, (d_pad, f_pad)),
-        tile_width=config.tile_width, slots_per_tile=config.slots_per_tile,
-    )
+    tiles = dict(tile_width=config.tile_width, slots_per_tile=config.slots_per_tile)
+    if OPTIONS.pack == "two_stage":
+        gate = jnp.dot(_pad(x, (m_pad, d)), _pad(w, (d, f_pad)),
+                       preferred_element_type=jnp.float32).astype(x.dtype)
+        values, columns, counts = pack_tiles(gate, **tiles)
+    else:
+        values, columns, counts = gate_pack(_pad(x, (m_pad, d_pad)), _pad(w, (d_pad, f_pad)),
+                                            **tiles)
     return values[:m], columns[:m], counts[:m]
 
 
@@ -69,7 +112,7 @@ def _pad_lists(m_pad, *arrays):
 def _gated_up_down(x, w_up_t, w_down, gate_values, columns, row_nnz):
     m, d = x.shape
     f = w_up_t.shape[0]
-    if UP_DOWN == "split":
+    if OPTIONS.up_down == "split":
         up_values = _sampled_dot(x, w_up_t, columns, row_nnz)
         hidden = gate_values.astype(jnp.float32) * up_values
         return _sparse_dot(hidden, columns, row_nnz, w_down), up_values
