@@ -2,8 +2,10 @@
 
 A backend supplies the packed products the shared algorithm in ``ffn.py`` needs:
 
-- ``pack(x [M, D], w [D, F], config)`` -> ``(values [M, n_tiles, S] x.dtype,
-  columns [M, n_tiles, S] int32, counts [M, n_tiles] int32)`` of ``relu(x @ w)``.
+- ``pack(x [M, D], w [D, F], config)`` -> ``(values [M, K] x.dtype, columns [M, K] int32,
+  counts [M, n_tiles] int32, row_nnz [M] int32, dense_gate)``: ``relu(x @ w)`` packed per tile
+  and row-compacted (``format.row_compact``); ``dense_gate`` is the dense [M, F] gate in
+  x.dtype when the backend computed it anyway (the dense fallback then reuses it), else None.
 - ``gated_up_down(x, w_up_t [F, D], w_down [F, D], gate_values [M, K], columns, row_nnz)``
   -> ``(y [M, D] float32 or x.dtype, up_values [M, K] float32)``.
 - ``sparse_dot(values [M, K], columns, row_nnz, w [F, D])`` -> [M, D].
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 
 from twell_jax import sparse_ops
 from twell_jax.config import TwELLConfig
-from twell_jax.format import pack_tiles
+from twell_jax.format import pack_tiles, row_compact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,9 @@ class Backend:
 def _reference_pack(x: jax.Array, w: jax.Array, config: TwELLConfig):
     gate = jax.nn.relu(jnp.dot(x, w, preferred_element_type=jnp.float32))
     values, columns, counts = pack_tiles(gate, config.tile_width, config.slots_per_tile)
-    return values.astype(x.dtype), columns, counts
+    values, columns, row_nnz = row_compact(values.astype(x.dtype), columns, counts,
+                                           config.slots_per_tile)
+    return values, columns, counts, row_nnz, None
 
 
 def _reference_gated_up_down(x, w_up_t, w_down, gate_values, columns, row_nnz):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from twell_jax import backends
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
-from twell_jax.format import heavy_row_index, heavy_rows, row_compact
+from twell_jax.format import heavy_row_index, heavy_rows
 from twell_jax.sparse_ops import sparse_outer
 
 Implementation = Literal["pallas", "reference", "xla"]
@@ -70,6 +70,14 @@ def _dense_rows(x: jax.Array, weights: tuple[jax.Array, ...], gated: bool):
     h = h.astype(x.dtype)  # as the dense bf16 path does: the down GEMM runs on x.dtype
     y = dot(h, w_down).astype(x.dtype)
     return y, jnp.sum(jnp.abs(h.astype(_F32)), axis=1), gate > 0
+
+
+def _dense_from_gate(x, gate, weights, gated):
+    """Dense FFN given the (x.dtype) ReLU gate [R, F]: the up and down GEMMs only."""
+    dot = functools.partial(jnp.dot, preferred_element_type=_F32)
+    h = gate.astype(_F32) * dot(x, weights[1]) if gated else gate.astype(_F32)
+    h = h.astype(x.dtype)
+    return dot(h, weights[-1]).astype(x.dtype), jnp.sum(jnp.abs(h.astype(_F32)), axis=1)
 
 
 def _dense_with_stats(x, weights, gated, config):
@@ -138,12 +146,10 @@ def _twell_forward(x, weights, gated, implementation, config):
     backend = backends.get(implementation)
     m = x.shape[0]
     f = weights[0].shape[1]
-    s = config.slots_per_tile
-    values, columns, counts = backend.pack(x, weights[0], config)
+    gate_values, columns, counts, row_nnz, dense_gate = backend.pack(x, weights[0], config)
     heavy = heavy_rows(counts, config, f)
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
-    gate_values, columns, row_nnz = row_compact(values, columns, counts, s)
     # Heavy rows are the backup's: the sparse products skip them entirely.
     row_nnz = jnp.where(heavy, 0, row_nnz)
     gate_values = jnp.where(heavy[:, None], 0, gate_values)
@@ -175,7 +181,10 @@ def _twell_forward(x, weights, gated, implementation, config):
         return y_out, l1, up_values
 
     def dense_branch():
-        y, l1_rows, _ = _dense_rows(x, weights, gated)
+        if dense_gate is None:
+            y, l1_rows, _ = _dense_rows(x, weights, gated)
+        else:  # the backend already paid for the gate GEMM: reuse its output
+            y, l1_rows = _dense_from_gate(x, dense_gate, weights, gated)
         up_shape = (m, gate_values.shape[1] if gated else 0)
         return y, jnp.sum(l1_rows), jnp.zeros(up_shape, _F32)
 

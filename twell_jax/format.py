@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.pack_rows import compact_rows
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 
 
@@ -67,25 +68,8 @@ def heavy_row_index(heavy: jax.Array, capacity: int) -> jax.Array:
     return index.astype(jnp.int32)
 
 
-def row_compact(values: jax.Array, columns: jax.Array, counts: jax.Array, slots_per_tile: int):
-    """Moves each row's stored entries to the front: per-tile slots -> one list per row.
-
-    Args:
-      values, columns: [M, n_tiles, S]; counts: [M, n_tiles] (true counts).
-    Returns:
-      ``(values [M, K], columns [M, K] int32, row_nnz [M] int32)`` with K = n_tiles * S;
-      entries ``k >= row_nnz`` are 0 (value) and 0 (column). Column order is preserved.
-    """
-    m, n_tiles, s = values.shape
-    k = n_tiles * s
-    kept = jnp.minimum(counts, slots_per_tile)
-    start = jnp.cumsum(kept, axis=1) - kept  # exclusive prefix over tiles
-    slot = jnp.arange(s, dtype=jnp.int32)
-    dest = jnp.where(slot < kept[..., None], start[..., None] + slot, k)  # k = dropped
-    rows = jnp.broadcast_to(jnp.arange(m)[:, None, None], dest.shape)
-    out_values = jnp.zeros((m, k), values.dtype).at[rows, dest].set(values, mode="drop")
-    out_columns = jnp.zeros((m, k), jnp.int32).at[rows, dest].set(columns, mode="drop")
-    return out_values, out_columns, kept.sum(axis=1, dtype=jnp.int32)
+# Per-tile slots -> row lists [M, K] + row_nnz (the form the up/down kernels consume).
+row_compact = compact_rows
 
 
 def tiles_to_dense(values: jax.Array, columns: jax.Array, counts: jax.Array, d_ff: int) -> jax.Array:

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 
 from pallas_kernels.gate_pack import gate_pack
 from pallas_kernels.gated_up_down import gated_up_down
-from pallas_kernels.pack_tiles import pack_tiles
+from pallas_kernels.pack_rows import pack_rows
 from pallas_kernels.sampled_dot import sampled_dot
 from pallas_kernels.sparse_down import sparse_down
 from twell_jax.backends import Backend
 from twell_jax.config import TwELLConfig
+from twell_jax.format import row_compact
 
 _ROW_MULTIPLE_SMALL = 16  # the tensor-core dot's minimum block
 _ROW_MULTIPLE = 64  # the gate GEMM's default block_m
@@ -38,13 +39,16 @@ class PallasOptions:
     """Which kernels the "pallas" backend runs.
 
     Attributes:
-      pack: "fused" (``gate_pack``: GEMM + packing epilogue, the dense gate never stored) or
-        "two_stage" (XLA's GEMM writes the dense gate, ``pack_tiles`` packs it).
+      pack: "two_stage" (XLA's GEMM writes the dense gate, ``pack_rows`` packs it straight into
+        row lists; the dense fallback reuses the gate) or "fused" (``gate_pack``: GEMM + packing
+        epilogue, the dense gate never stored, then an XLA row compaction). Two-stage is the
+        default: on the H100 it took 0.92-0.96 ms against 1.17-1.27 ms for the fused kernel at
+        M = 16384, D = 2048, F = 5632 (XLA's GEMM alone: 0.58-0.63 ms).
       up_down: "split" (``sampled_dot`` for u, then ``sparse_down`` of h = g * u) or "fused"
         (the single ``gated_up_down`` kernel).
     """
 
-    pack: Literal["fused", "two_stage"] = "fused"
+    pack: Literal["fused", "two_stage"] = "two_stage"
     up_down: Literal["split", "fused"] = "split"
 
     def __post_init__(self):
@@ -96,13 +100,14 @@ def _pack(x: jax.Array, w: jax.Array, config: TwELLConfig):
     f_pad = config.num_tiles(f) * config.tile_width
     tiles = dict(tile_width=config.tile_width, slots_per_tile=config.slots_per_tile)
     if OPTIONS.pack == "two_stage":
-        gate = jnp.dot(_pad(x, (m_pad, d)), _pad(w, (d, f_pad)),
-                       preferred_element_type=jnp.float32).astype(x.dtype)
-        values, columns, counts = pack_tiles(gate, **tiles)
-    else:
-        values, columns, counts = gate_pack(_pad(x, (m_pad, d_pad)), _pad(w, (d_pad, f_pad)),
-                                            **tiles)
-    return values[:m], columns[:m], counts[:m]
+        gate = jax.nn.relu(jnp.dot(_pad(x, (m_pad, d)), _pad(w, (d, f_pad)),
+                                   preferred_element_type=jnp.float32)).astype(x.dtype)
+        values, columns, counts, row_nnz = pack_rows(gate, **tiles)
+        return values[:m], columns[:m], counts[:m], row_nnz[:m], gate[:m, :f]
+    values, columns, counts = gate_pack(_pad(x, (m_pad, d_pad)), _pad(w, (d_pad, f_pad)), **tiles)
+    values, columns, row_nnz = row_compact(values[:m], columns[:m], counts[:m],
+                                           config.slots_per_tile)
+    return values, columns, counts[:m], row_nnz, None
 
 
 def _pad_lists(m_pad, *arrays):
