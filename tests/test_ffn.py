@@ -154,6 +154,13 @@ def test_pallas_options_compute_the_same_function(pack, up_down):
     assert_close(y, ffn_float64(x, *weights)[0], jnp.bfloat16)
 
 
+@pytest.mark.parametrize("m,nnz,dense", [(16384, 28, False), (16384, 60, True),
+                                          (8, 600, False), (8, 3000, True)])
+def test_cost_model_chooses_dense_only_when_cheaper(m, nnz, dense):
+    x = jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16)
+    assert bool(ffn._cheaper_dense(jnp.float32(nnz), x, 5632, tj.TwELLConfig())) == dense
+
+
 def test_nan_propagates_like_dense():
     x, *weights = make_ffn_inputs(1, M, D, F, "uniform", jnp.float32)
     x = x.at[3, 5].set(jnp.nan)

@@ -10,6 +10,29 @@ def _is_power_of_two(n: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Device rates for choosing between sparse and dense up/down projections.
+
+    Defaults measured on the H100 (BENCHMARKS.md, bf16, M = 16384, D = 2048, F = 5632):
+    XLA's dense GEMM ran at ~650 TFLOP/s; the ``sparse_down`` kernel gathered weight rows at
+    ~4.3 TB/s; device memory copies at ~3.0 TB/s.
+    """
+
+    gemm_flops_per_s: float = 6.5e14
+    gather_bytes_per_s: float = 4.3e12
+    memory_bytes_per_s: float = 3.0e12
+
+    def dense_up_down_seconds(self, m: int, d: int, f: int, itemsize: int) -> float:
+        """Two dense GEMMs [m, d] x [d, f]: the larger of their math and weight-read times."""
+        return max(4.0 * m * d * f / self.gemm_flops_per_s,
+                   2.0 * d * f * itemsize / self.memory_bytes_per_s)
+
+    def sparse_up_down_seconds(self, m: int, d: int, nnz_per_row, itemsize: int):
+        """Gathering two weight rows of d elements per active unit (works on traced nnz)."""
+        return m * nnz_per_row * 2.0 * d * itemsize / self.gather_bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TwELLConfig:
     """Knobs of the TwELL + dense-backup (hybrid) format.
 
@@ -32,17 +55,22 @@ class TwELLConfig:
         4 KB rows (~2 ns at the measured ~4-5 TB/s) while a dense row costs ~0.1 us of GEMM,
         so the break-even is near 60 of 5632 units; the default 1/64 (88 of 5632) keeps every
         uniform ~28-unit token sparse and sends the heavy tail to the backup. ``1.0`` disables.
-      dense_fallback_density: only for ``implementation="pallas"``: if the batch's mean
-        fraction of active units per token exceeds this, the up/down projections run dense
-        (decided on the device from the counts), since the sparse gathers cost more than
-        dense GEMMs past about this density. ``1.0`` disables the switch.
+      dense_fallback_density: only for ``implementation="pallas"``: when the whole batch is
+        cheaper dense, the up/down projections run as dense GEMMs (decided on the device from
+        the counts, after the gate). ``None`` (default): decided by ``cost_model`` from the
+        batch's mean active units per token and M (at M = 16384, D = 2048 the break-even is
+        ~40 of 5632 units; at decode sizes dense reads every weight and sparse almost always
+        wins). A float: dense when the mean fraction of active units exceeds it (``1.0``:
+        never dense, ``0.0``: always).
+      cost_model: the measured device rates behind the ``None`` decision.
     """
 
     tile_width: int = 128
     slots_per_tile: int = 8
     backup_rows: int | None = None
     max_row_density: float = 1 / 64
-    dense_fallback_density: float = 0.05
+    dense_fallback_density: float | None = None
+    cost_model: CostModel = dataclasses.field(default_factory=lambda: CostModel())
 
     def __post_init__(self):
         if not _is_power_of_two(self.tile_width) or self.tile_width < 16:
@@ -58,7 +86,8 @@ class TwELLConfig:
             raise ValueError(f"backup_rows must be None or an int >= 0, got {self.backup_rows!r}")
         if not 0.0 < self.max_row_density <= 1.0:
             raise ValueError(f"max_row_density must be in (0, 1], got {self.max_row_density!r}")
-        if not 0.0 <= self.dense_fallback_density <= 1.0:
+        if self.dense_fallback_density is not None and not (
+                0.0 <= self.dense_fallback_density <= 1.0):
             raise ValueError(
                 f"dense_fallback_density must be in [0, 1], got {self.dense_fallback_density!r}"
             )

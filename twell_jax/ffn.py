@@ -41,7 +41,7 @@ class FFNStats(NamedTuple):
     S non-zeros in some tile (computed by the dense backup). backup_overflow: more heavy rows
     than ``config.backup_rows``, so the whole batch took the exact dense path.
     dense_fallback: the whole batch took the dense path (overflow, or density above
-    ``config.dense_fallback_density`` for ``"pallas"``).
+    the cost of the sparse up/down for ``"pallas"``, see ``TwELLConfig.dense_fallback_density``).
     """
 
     nnz_mean: jax.Array
@@ -130,6 +130,17 @@ def _run_backup(heavy, num_heavy, sizes, run_rows, init):
 # The TwELL forward and its sparse backward.
 
 
+def _cheaper_dense(mean_nnz: jax.Array, x: jax.Array, f: int, config: TwELLConfig) -> jax.Array:
+    """[] bool: would dense up/down GEMMs beat the sparse gathers for this batch?"""
+    if config.dense_fallback_density is not None:
+        return mean_nnz > config.dense_fallback_density * f
+    m, d = x.shape
+    itemsize = jnp.dtype(x.dtype).itemsize
+    cost = config.cost_model
+    return cost.sparse_up_down_seconds(m, d, mean_nnz, itemsize) > cost.dense_up_down_seconds(
+        m, d, f, itemsize)
+
+
 class _Residuals(NamedTuple):
     x: jax.Array
     weights: tuple[jax.Array, ...]
@@ -157,8 +168,7 @@ def _twell_forward(x, weights, gated, implementation, config):
     overflow = num_heavy > (sizes[-1] if sizes else 0)
     dense = overflow
     if implementation == "pallas":
-        too_dense = jnp.mean(row_nnz_all.astype(_F32)) > config.dense_fallback_density * f
-        dense = dense | too_dense
+        dense = dense | _cheaper_dense(jnp.mean(row_nnz_all.astype(_F32)), x, f, config)
 
     def sparse_branch():
         if gated:
