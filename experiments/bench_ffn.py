@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -40,6 +41,7 @@ from pallas_kernels import gated_up_down as gud
 from pallas_kernels import pack_rows as pr
 from pallas_kernels import sampled_dot as sdot
 from pallas_kernels import sparse_down as sd
+from pallas_kernels.common import resolve_interpret
 from twell_jax import pallas_backend as pb
 from twell_jax.format import heavy_rows, row_compact
 
@@ -274,6 +276,13 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
                 a, b, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile,
                 config=cfg))
             measure(f"stage: gate GEMM + pack [{name}]", fn, x, w_gate, check=False)
+        if args.variants and case.f % 256 == 0:
+            for bm, bn, bk, warps, stages in ((64, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+                                              (128, 256, 64, 8, 3)):
+                fn = jax.jit(functools.partial(pallas_relu_matmul, block_m=bm, block_n=bn,
+                                               block_k=bk, num_warps=warps, num_stages=stages))
+                measure(f"diagnostic: plain Pallas GEMM+relu {bm}x{bn}x{bk} w{warps} s{stages}",
+                        fn, x, w_gate, check=False)
         two_stage = jax.jit(lambda a, b: pr.pack_rows(
             jax.nn.relu(jnp.dot(a, b)), tile_width=config.tile_width,
             slots_per_tile=config.slots_per_tile))
@@ -315,6 +324,34 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
                 and "median_ms" in row:
             row["fraction_of_xla_gemm_rate"] = gemm["median_ms"] / row["median_ms"]
     return results
+
+
+def pallas_relu_matmul(x, w, *, block_m, block_n, block_k, num_warps, num_stages, group_m=8):
+    """Diagnostic only: relu(x @ w) as a plain Pallas-Triton GEMM with gate_pack's launch order
+    and tile shapes, to separate the GEMM's own rate from the packing epilogue's cost."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    m, d = x.shape
+    f = w.shape[1]
+    rows, cols = m // block_m, f // block_n
+
+    def kernel(x_ref, w_ref, o_ref):
+        i, c = gp._grid_position(pl.program_id(0), rows, cols, group_m)
+
+        def step(kb, acc):
+            xb = x_ref[pl.ds(i * block_m, block_m), pl.ds(kb * block_k, block_k)]
+            wb = w_ref[pl.ds(kb * block_k, block_k), pl.ds(c * block_n, block_n)]
+            return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, d // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        o_ref[pl.ds(i * block_m, block_m), pl.ds(c * block_n, block_n)] = (
+            jnp.maximum(acc, 0.0).astype(o_ref.dtype))
+
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((m, f), x.dtype), grid=(rows * cols,),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=resolve_interpret(None), name="bench_relu_matmul")(x, w)
 
 
 def _commit() -> str:

@@ -21,6 +21,7 @@ from pallas_kernels.gated_up_down import (
     gated_up_down,
     gated_up_down_reference,
 )
+from pallas_kernels.pack_rows import PackRowsConfig, pack_rows, pack_rows_reference
 from pallas_kernels.pack_tiles import PackTilesConfig, pack_tiles, pack_tiles_reference
 from pallas_kernels.sampled_dot import SampledDotConfig, sampled_dot, sampled_dot_reference
 from pallas_kernels.sparse_down import SparseDownConfig, sparse_down, sparse_down_reference
@@ -515,3 +516,33 @@ def test_pack_tiles_rejects_bad_shapes():
         pack_tiles(h, tile_width=64, slots_per_tile=4)
     with pytest.raises(ValueError, match="block_m=32"):
         pack_tiles(h, tile_width=32, slots_per_tile=4, config=PackTilesConfig(block_m=32))
+
+
+# --------------------------------------------------------------------------------------------
+# pack_rows (packing straight into row lists)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("m,f,t,s,block_m", [(48, 256, 32, 4, 16), (32, 384, 128, 8, 32)])
+def test_pack_rows_matches_reference(m, f, t, s, block_m, dtype):
+    rng = np.random.default_rng(seed_of("pack_rows", m, f, s))
+    x, w, _ = make_gate_inputs(m, 64, f, t, s, dtype, "special", rng)
+    h = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype)  # exact: integers
+    got = pack_rows(h, tile_width=t, slots_per_tile=s, config=PackRowsConfig(block_m=block_m),
+                    interpret=INTERPRET)
+    ref = pack_rows_reference(h, tile_width=t, slots_per_tile=s)
+    for a, r in zip(got, ref):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32))
+    values, columns, counts, row_nnz = map(np.asarray, got)
+    assert values.shape == (m, f // t * s) and counts.shape == (m, f // t)
+    # Light rows rebuild the dense relu exactly; every row's list is ascending.
+    dense = np.maximum(np.asarray(jnp.asarray(h, jnp.float32)), 0)
+    for row in range(m):
+        n = row_nnz[row]
+        assert np.all(np.diff(columns[row, :n]) > 0)
+        assert np.all(values[row, n:] == 0) and np.all(columns[row, n:] == 0)
+        if np.all(counts[row] <= s):
+            rebuilt = np.zeros(f, np.float32)
+            rebuilt[columns[row, :n]] = values[row, :n].astype(np.float32)
+            np.testing.assert_array_equal(rebuilt, dense[row])

@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gate_pack import GatePackConfig, gate_pack
 from pallas_kernels.gated_up_down import GatedUpDownConfig, gated_up_down
+from pallas_kernels.pack_rows import pack_rows
 from pallas_kernels.pack_tiles import pack_tiles
 from pallas_kernels.sampled_dot import sampled_dot
 from pallas_kernels.sparse_down import sparse_down
@@ -107,3 +108,11 @@ def test_pack_tiles_lowers():
         S((M, F), BF16),
     )
     assert "twell_pack_tiles" in module
+
+
+def test_pack_rows_lowers():
+    module = export_for_cuda(
+        lambda h: pack_rows(h, tile_width=128, slots_per_tile=8, interpret=False),
+        S((M, F), BF16),
+    )
+    assert "twell_pack_rows" in module
