@@ -236,6 +236,8 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
                 y = y[0] if isinstance(y, tuple) else y
                 row["rel_err"] = rel_error_float64(y, x, w_gate, w_up, w_down, rows)
             row.update(time_ms(fn, *fn_args, **timing))
+            if results and "median_ms" in results[0]:  # results[0] is the dense XLA FFN
+                row["speedup_vs_xla"] = results[0]["median_ms"] / row["median_ms"]
         except Exception as e:  # a failing variant is reported, never hidden
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         emit(row)
