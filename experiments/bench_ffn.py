@@ -313,9 +313,16 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
             fn = jax.jit(lambda *a, cfg=cfg: gud.gated_up_down(*a, config=cfg))
             measure(f"stage: fused up/down [{name}]", fn, x, w_up_t, w_down, gv, cols, nnz,
                     check=False)
-        up = jax.jit(lambda a, w, c, n: sdot.sampled_dot(a, w, c, n))
-        measure("stage: sampled_dot alone (u at the entries)", up, x, w_up_t, cols, nnz,
-                check=False)
+        sd_variants = [("default", None)]
+        if args.variants:
+            for bm, bk, bd, warps in ((16, 4, 256, 4), (32, 8, 128, 8), (8, 16, 128, 4),
+                                      (16, 16, 64, 4), (16, 8, 128, 8)):
+                sd_variants.append((f"bm{bm} bk{bk} bd{bd} w{warps}", sdot.SampledDotConfig(
+                    block_m=bm, block_k=bk, block_d=bd, num_warps=warps)))
+        for name, cfg in sd_variants:
+            up = jax.jit(lambda a, w, c, n, cfg=cfg: sdot.sampled_dot(a, w, c, n, config=cfg))
+            measure(f"stage: sampled_dot alone (u at the entries) [{name}]", up, x, w_up_t,
+                    cols, nnz, check=False)
         down = jax.jit(lambda v, c, n, w: sd.sparse_down(v, c, n, w))
         measure("stage: sparse_down alone (half the gathers)", down, gv, cols, nnz, w_down,
                 check=False)

@@ -456,7 +456,7 @@ def test_sparse_down_rejects_bad_shapes():
 def test_sampled_dot_matches_reference(m, d, f, k, block_m, block_d, dtype):
     rng = np.random.default_rng(seed_of("sampled", m, d, k))
     a, w, _, _, columns, row_nnz = make_up_down_inputs(m, d, f, k, dtype, dtype, rng)
-    config = SampledDotConfig(block_m=block_m, block_d=block_d)
+    config = SampledDotConfig(block_m=block_m, block_k=4, block_d=block_d)
     out = sampled_dot(a, w, columns, row_nnz, config=config, interpret=INTERPRET)
     ref = sampled_dot_reference(a, w, columns, row_nnz)
     assert out.dtype == jnp.float32 and out.shape == (m, k)

@@ -25,7 +25,7 @@ from pallas_kernels.gate_pack import GatePackConfig, gate_pack
 from pallas_kernels.gated_up_down import GatedUpDownConfig, gated_up_down
 from pallas_kernels.pack_rows import pack_rows
 from pallas_kernels.pack_tiles import pack_tiles
-from pallas_kernels.sampled_dot import sampled_dot
+from pallas_kernels.sampled_dot import SampledDotConfig, sampled_dot
 from pallas_kernels.sparse_down import sparse_down
 
 M, D, F, K = 256, 256, 512, 32
@@ -94,9 +94,11 @@ def test_sparse_down_lowers():
     assert "twell_sparse_down" in module
 
 
-def test_sampled_dot_lowers():
+@pytest.mark.parametrize("block_k,block_d", [(8, 128), (16, 64)])
+def test_sampled_dot_lowers(block_k, block_d):
+    config = SampledDotConfig(block_m=16, block_k=block_k, block_d=block_d)
     module = export_for_cuda(
-        lambda *a: sampled_dot(*a, interpret=False),
+        lambda *a: sampled_dot(*a, config=config, interpret=False),
         S((M, D), BF16), S((F, D), BF16), S((M, K), jnp.int32), S((M,), jnp.int32),
     )
     assert "twell_sampled_dot" in module
