@@ -268,7 +268,7 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
         if args.variants:
             for bm, tpp, warps, stages, group, prefix in (
                     (64, 1, 4, 4, 10**6, "cumsum"),  # rows fastest: the first version's order
-                    (128, 1, 8, 4, 8, "cumsum"), (64, 1, 4, 4, 32, "cumsum")):
+                    (64, 1, 4, 4, 32, "cumsum")):
                 pack_variants.append((
                     f"{prefix} bm{bm} n{tpp}x{config.tile_width} w{warps} s{stages} g{group}",
                     gp.GatePackConfig(block_m=bm, block_k=64, num_warps=warps, num_stages=stages,
@@ -295,6 +295,14 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
                                                    slots_per_tile=config.slots_per_tile))
         measure("stage: pack_rows alone (dense gate -> row lists)", pack_only, gate_dense,
                 check=False)
+        if args.variants:
+            for bm, warps, stages in ((16, 4, 2), (64, 8, 2), (32, 8, 3), (32, 2, 2)):
+                cfg = pr.PackRowsConfig(block_m=bm, num_warps=warps, num_stages=stages)
+                fn = jax.jit(lambda g, cfg=cfg: pr.pack_rows(
+                    g, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile,
+                    config=cfg))
+                measure(f"stage: pack_rows alone [bm{bm} w{warps} s{stages}]", fn, gate_dense,
+                        check=False)
         values, columns, counts = jax.jit(lambda a, b: gp.gate_pack(
             a, b, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile))(x, w_gate)
         compact = jax.jit(lambda v, c, n: row_compact(v, c, n, config.slots_per_tile))
@@ -315,8 +323,8 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
                     check=False)
         sd_variants = [("default", None)]
         if args.variants:
-            for bm, bk, bd, warps in ((16, 4, 256, 4), (32, 8, 128, 8), (8, 16, 128, 4),
-                                      (16, 16, 64, 4), (16, 8, 128, 8)):
+            for bm, bk, bd, warps in ((16, 4, 256, 8), (16, 16, 128, 8), (8, 8, 256, 8),
+                                      (32, 4, 128, 8)):
                 sd_variants.append((f"bm{bm} bk{bk} bd{bd} w{warps}", sdot.SampledDotConfig(
                     block_m=bm, block_k=bk, block_d=bd, num_warps=warps)))
         for name, cfg in sd_variants:

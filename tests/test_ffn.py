@@ -155,10 +155,25 @@ def test_pallas_options_compute_the_same_function(pack, up_down):
 
 
 @pytest.mark.parametrize("m,nnz,dense", [(16384, 28, False), (16384, 60, True),
-                                          (8, 600, False), (8, 3000, True)])
-def test_cost_model_chooses_dense_only_when_cheaper(m, nnz, dense):
+                                          (8, 600, False), (8, 8000, True)])
+def test_cost_model_chooses_dense_only_when_cheaper(monkeypatch, m, nnz, dense):
+    monkeypatch.setattr(ffn, "default_interpret", lambda: False)  # as on a GPU
     x = jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16)
     assert bool(ffn._cheaper_dense(jnp.float32(nnz), x, 5632, tj.TwELLConfig())) == dense
+
+
+def test_decode_sizes_run_dense_on_gpu_but_sparse_in_interpret_mode(monkeypatch):
+    config = tj.TwELLConfig()
+    assert not ffn._sparse_never_pays(8, 2048, 5632, jnp.bfloat16, config)  # interpret mode
+    monkeypatch.setattr(ffn, "default_interpret", lambda: False)
+    assert ffn._sparse_never_pays(8, 2048, 5632, jnp.bfloat16, config)
+    assert not ffn._sparse_never_pays(16384, 2048, 5632, jnp.bfloat16, config)
+    fixed = dataclasses.replace(config, dense_fallback_density=1.0)
+    assert not ffn._sparse_never_pays(8, 2048, 5632, jnp.bfloat16, fixed)
+    x, *weights = make_ffn_inputs(6, 8, D, F, "uniform", jnp.float32)
+    y, stats = tj.gated_mlp(x, *weights, implementation="pallas", return_stats=True)
+    assert bool(stats.dense_fallback)
+    assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
 
 
 def test_nan_propagates_like_dense():

@@ -94,7 +94,7 @@ def test_sparse_down_lowers():
     assert "twell_sparse_down" in module
 
 
-@pytest.mark.parametrize("block_k,block_d", [(8, 128), (16, 64)])
+@pytest.mark.parametrize("block_k,block_d", [(8, 128), (16, 64), (4, 8)])  # (4, 8): rolled
 def test_sampled_dot_lowers(block_k, block_d):
     config = SampledDotConfig(block_m=16, block_k=block_k, block_d=block_d)
     module = export_for_cuda(

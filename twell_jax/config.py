@@ -14,13 +14,19 @@ class CostModel:
     """Device rates for choosing between sparse and dense up/down projections.
 
     Defaults measured on the H100 (BENCHMARKS.md, bf16, M = 16384, D = 2048, F = 5632):
-    XLA's dense GEMM ran at ~650 TFLOP/s; the ``sparse_down`` kernel gathered weight rows at
-    ~4.3 TB/s; device memory copies at ~3.0 TB/s.
+    XLA's dense GEMM ran at ~650 TFLOP/s; the up/down gathers (``sampled_dot`` then
+    ``sparse_down``) moved weight rows at ~3.5 TB/s; device memory copies at ~3.0 TB/s; and the
+    sparse path costs ~0.3 ms per call whatever the batch (0.26-0.34 ms measured at M = 1).
     """
 
     gemm_flops_per_s: float = 6.5e14
-    gather_bytes_per_s: float = 4.3e12
+    gather_bytes_per_s: float = 3.5e12
     memory_bytes_per_s: float = 3.0e12
+    sparse_fixed_seconds: float = 3.0e-4
+
+    def dense_ffn_seconds(self, m: int, d: int, f: int, itemsize: int) -> float:
+        """The whole dense FFN: three GEMMs' math or their weight reads, whichever is larger."""
+        return 1.5 * self.dense_up_down_seconds(m, d, f, itemsize)
 
     def dense_up_down_seconds(self, m: int, d: int, f: int, itemsize: int) -> float:
         """Two dense GEMMs [m, d] x [d, f]: the larger of their math and weight-read times."""
@@ -59,9 +65,11 @@ class TwELLConfig:
         cheaper dense, the up/down projections run as dense GEMMs (decided on the device from
         the counts, after the gate). ``None`` (default): decided by ``cost_model`` from the
         batch's mean active units per token and M (at M = 16384, D = 2048 the break-even is
-        ~40 of 5632 units; at decode sizes dense reads every weight and sparse almost always
-        wins). A float: dense when the mean fraction of active units exceeds it (``1.0``:
-        never dense, ``0.0``: always).
+        ~30 of 5632 units), and, from the shapes alone, the whole call runs dense when the
+        sparse path's fixed cost exceeds the dense FFN (decode sizes on the H100). The cost
+        model applies only to compiled kernels: in interpret mode (no GPU) the sparse path
+        always runs. A float: dense when the mean fraction of active units exceeds it
+        (``1.0``: never dense, ``0.0``: always).
       cost_model: the measured device rates behind the ``None`` decision.
     """
 

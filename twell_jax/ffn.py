@@ -23,6 +23,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import default_interpret
 from twell_jax import backends
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 from twell_jax.format import heavy_row_index, heavy_rows
@@ -130,15 +131,34 @@ def _run_backup(heavy, num_heavy, sizes, run_rows, init):
 # The TwELL forward and its sparse backward.
 
 
+def _cost_model_decides(config: TwELLConfig) -> bool:
+    """The cost model holds device rates: it decides only when the kernels run compiled. In
+    interpret mode (no GPU) the sparse kernels always run, so CPU users and CI exercise them."""
+    return config.dense_fallback_density is None and not default_interpret()
+
+
 def _cheaper_dense(mean_nnz: jax.Array, x: jax.Array, f: int, config: TwELLConfig) -> jax.Array:
     """[] bool: would dense up/down GEMMs beat the sparse gathers for this batch?"""
     if config.dense_fallback_density is not None:
         return mean_nnz > config.dense_fallback_density * f
+    if not _cost_model_decides(config):
+        return jnp.asarray(False)
     m, d = x.shape
     itemsize = jnp.dtype(x.dtype).itemsize
     cost = config.cost_model
     return cost.sparse_up_down_seconds(m, d, mean_nnz, itemsize) > cost.dense_up_down_seconds(
         m, d, f, itemsize)
+
+
+def _sparse_never_pays(m: int, d: int, f: int, dtype, config: TwELLConfig) -> bool:
+    """Static (shape-only) check: even with no active unit, the sparse path's fixed cost
+    (extra launches, the packing pass, device-side decisions) exceeds the whole dense FFN.
+    True at decode sizes on the H100; such calls run the dense function directly."""
+    if not _cost_model_decides(config):
+        return False
+    cost = config.cost_model
+    itemsize = jnp.dtype(dtype).itemsize
+    return cost.sparse_fixed_seconds > cost.dense_ffn_seconds(m, d, f, itemsize)
 
 
 class _Residuals(NamedTuple):
@@ -321,6 +341,10 @@ def _ffn(x, weights, names, gated, implementation, config, return_stats):
                          jnp.asarray(False), jnp.asarray(False))
     elif implementation == "xla":
         y, stats = _dense_with_stats(x2, weights, gated, config)
+    elif implementation == "pallas" and _sparse_never_pays(
+            x2.shape[0], x2.shape[1], weights[0].shape[1], x.dtype, config):
+        y, stats = _dense_with_stats(x2, weights, gated, config)
+        stats = stats._replace(dense_fallback=jnp.asarray(True))
     else:
         y, stats = _twell_ffn(x2, weights, gated, implementation, config)
     y = y.reshape(*lead, x.shape[-1])

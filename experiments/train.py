@@ -1,0 +1,515 @@
+"""Train a TwELL decoder (``twell_jax.model``) with the L1 sparsity penalty on its FFNs.
+
+    .venv/bin/python experiments/train.py            # tiny model, stdlib bytes, ~2 min on a 2-core CPU
+    .venv/bin/python experiments/train.py --help     # every knob, with its default
+
+The default run trains the "tiny" preset (148k parameters) on the bytes of the Python standard
+library's own source files (5% of files held out by a hash of their path) with the TwELL
+"reference" FFN (the sparse algorithm in plain jnp: packed gate, sparse up/down, dense backup for
+heavy rows, sparse backward), and an L1 coefficient large enough that the FFN's active units per
+token fall steadily over the run. Everything lands in ``--out-dir`` (default ``runs/<name>``):
+``metrics.jsonl`` (one JSON object per logged step and per evaluation), ``metrics.png`` (loss and
+non-zeros per token over steps), ``config.json`` and Orbax checkpoints under ``ckpt/``.
+
+``--resume`` continues from the newest checkpoint in ``--out-dir``: batches come from a sampler
+seeded by (seed, step), so a resumed run sees the same data and follows the same loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from twell_jax import model as model_lib
+from twell_jax.ffn import IMPLEMENTATIONS
+
+
+def _flag(default, help: str, **kwargs):
+    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Every knob of a training run; each field is a command-line flag (``--l1-coeff`` ...)."""
+
+    name: str = _flag("", "run name; default <model>-<implementation>-l1_<l1_coeff>")
+    model: str = _flag("tiny", "model preset (twell_jax.model.CONFIGS)",
+                       choices=tuple(model_lib.CONFIGS))
+    # "reference" exercises the TwELL algorithm (pack, sparse up/down, backup, sparse backward).
+    # Tiny preset, batch 16 x 128 on a 2-core CPU: reference ~0.11 s/step, xla (dense) ~0.06 s;
+    # pallas runs its kernels in interpret mode without a GPU and is far slower.
+    implementation: str = _flag("reference", "FFN implementation", choices=IMPLEMENTATIONS)
+    remat: bool = _flag(False, "recompute each block in the backward pass (keeps FFN outputs)")
+    l1_coeff: float = _flag(0.05, "coefficient of the L1 penalty on the FFN hidden activations")
+    steps: int = _flag(600, "optimizer steps")
+    batch_size: int = _flag(16, "sequences per batch")
+    seq_len: int = _flag(128, "tokens per sequence (at most the preset's max_seq_len)")
+    lr: float = _flag(3e-3, "peak learning rate")
+    warmup: int = _flag(50, "linear warm-up steps, then cosine decay to lr / 10")
+    weight_decay: float = _flag(0.1, "AdamW weight decay (matrices only, not norm scales)")
+    grad_clip: float = _flag(1.0, "clip gradients to this global norm")
+    eval_every: int = _flag(200, "evaluate held-out loss every this many steps (0: only at the end)")
+    eval_batches: int = _flag(4, "held-out batches per evaluation (the same ones each time)")
+    ckpt_every: int = _flag(200, "save a checkpoint every this many steps (0: only at the end)")
+    log_every: int = _flag(10, "write a metrics.jsonl line every this many steps")
+    out_dir: str = _flag("", "output folder; default runs/<name>")
+    seed: int = _flag(0, "seed of the parameters and of the batch sampler")
+    data: str = _flag("", "a folder of text files, or a .npy / .bin (uint16) token file; "
+                          "default: the Python standard library's .py files")
+    tokenizer: str = _flag("bytes", "'bytes' (UTF-8 bytes, vocabulary 256) or the path of a "
+                                    "Hugging Face tokenizer.json (needs the tokenizers package)")
+    heldout_fraction: float = _flag(0.05, "fraction of files (or of a token file's tail) held out")
+    resume: bool = _flag(False, "continue from the newest checkpoint in --out-dir")
+
+    @property
+    def run_name(self) -> str:
+        return self.name or f"{self.model}-{self.implementation}-l1_{self.l1_coeff:g}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir or os.path.join("runs", self.run_name))
+
+
+def parse_args(argv: Sequence[str] | None) -> TrainConfig:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(field.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                default=field.default, **field.metadata)
+        else:
+            parser.add_argument(flag, type=type(field.default), default=field.default,
+                                **field.metadata)
+    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    for name in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("warmup", "eval_every", "ckpt_every"):
+        if getattr(cfg, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    max_len = model_lib.CONFIGS[cfg.model].max_seq_len
+    if cfg.seq_len > max_len:
+        parser.error(f"--seq-len {cfg.seq_len} exceeds the {cfg.model!r} preset's "
+                     f"max_seq_len {max_len}")
+    if not 0.0 < cfg.heldout_fraction < 1.0:
+        parser.error(f"--heldout-fraction must be in (0, 1), got {cfg.heldout_fraction}")
+    if cfg.l1_coeff < 0:
+        parser.error(f"--l1-coeff must be >= 0, got {cfg.l1_coeff}")
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------
+# Data: tokenized files concatenated with a separator; random windows seeded by step.
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (vocabulary 256); documents are separated by byte 0 (NUL)."""
+
+    vocab_size = 256
+    separator = 0
+
+    def encode(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, np.uint8)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
+
+    _SEPARATORS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+    def __init__(self, path: str):
+        try:
+            import tokenizers
+        except ImportError as e:
+            raise SystemExit(
+                f"--tokenizer {path}: the 'tokenizers' package is not installed; "
+                "`pip install tokenizers`, or use --tokenizer bytes") from e
+        self._tok = tokenizers.Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size()
+        ids = [self._tok.token_to_id(t) for t in self._SEPARATORS]
+        self.separator = next((i for i in ids if i is not None), 0)
+
+    def encode(self, data: bytes) -> np.ndarray:
+        return np.asarray(self._tok.encode(data.decode("utf-8", errors="replace")).ids, np.int32)
+
+
+def make_tokenizer(spec: str):
+    return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Token streams: ``train`` and ``heldout`` (1-D integer arrays)."""
+
+    train: np.ndarray
+    heldout: np.ndarray
+    vocab_size: int
+    description: str
+
+
+def default_data_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _text_files(root: Path, default: bool) -> list[Path]:
+    """Sorted text files under root: for the stdlib, its .py files outside site-packages;
+    otherwise every non-hidden file whose first 8 KB hold no NUL byte."""
+    files = []
+    for path in sorted(root.rglob("*")):
+        parts = path.relative_to(root).parts
+        if any(p.startswith(".") or p in ("__pycache__", "site-packages", "dist-packages")
+               for p in parts) or not path.is_file():
+            continue
+        if default:
+            if path.suffix == ".py":
+                files.append(path)
+        else:
+            with open(path, "rb") as f:
+                if b"\0" not in f.read(8192):
+                    files.append(path)
+    return files
+
+
+def is_heldout(relative_path: str, fraction: float) -> bool:
+    """Deterministic split by a hash of the file's path relative to the data folder."""
+    h = int.from_bytes(hashlib.sha256(relative_path.encode()).digest()[:8], "little")
+    return h / 2**64 < fraction
+
+
+def load_corpus(data: str, tokenizer, heldout_fraction: float = 0.05) -> Corpus:
+    """Reads and tokenizes ``data`` (see ``TrainConfig.data``) into train and held-out streams."""
+    default = not data
+    root = default_data_dir() if default else Path(data)
+    if not root.exists():
+        raise FileNotFoundError(f"--data {root} does not exist")
+    if root.is_file():
+        if root.suffix == ".npy":
+            tokens = np.load(root, mmap_mode="r")
+        elif root.suffix == ".bin":
+            tokens = np.memmap(root, dtype=np.uint16, mode="r")
+        else:
+            raise ValueError(f"--data {root}: a token file must end in .npy or .bin")
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"--data {root}: expected a 1-D integer array, got "
+                             f"{tokens.dtype} {tokens.shape}")
+        cut = int(len(tokens) * (1 - heldout_fraction))
+        vocab = int(tokens.max()) + 1 if len(tokens) else 0
+        return Corpus(tokens[:cut], tokens[cut:], max(vocab, tokenizer.vocab_size),
+                      f"{root} ({len(tokens):,} tokens)")
+    files = _text_files(root, default)
+    if not files:
+        raise ValueError(f"--data {root}: no text files found")
+    sep = np.asarray([tokenizer.separator], np.int32)
+    parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
+    for path in files:
+        held = is_heldout(path.relative_to(root).as_posix(), heldout_fraction)
+        parts[held] += [tokenizer.encode(path.read_bytes()).astype(np.int32), sep]
+    dtype = np.uint8 if tokenizer.vocab_size <= 256 else np.int32
+    train, heldout = (np.concatenate(parts[h]).astype(dtype) if parts[h] else np.zeros(0, dtype)
+                      for h in (False, True))
+    return Corpus(train, heldout, tokenizer.vocab_size,
+                  f"{root}: {len(files)} files, {len(train):,} train / {len(heldout):,} held-out "
+                  "tokens")
+
+
+def sample_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int,
+                 stream: int = 0) -> np.ndarray:
+    """[batch_size, seq_len + 1] int32 random windows; a pure function of (seed, stream, step)."""
+    n = len(tokens) - seq_len
+    if n < 1:
+        raise ValueError(f"need more than seq_len + 1 = {seq_len + 1} tokens, got {len(tokens)}")
+    rng = np.random.default_rng([seed, stream, step])
+    starts = rng.integers(0, n, size=batch_size)
+    return np.stack([np.asarray(tokens[s:s + seq_len + 1], np.int32) for s in starts])
+
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
+# ------------------------------------------------------------------------------------------
+# Model, optimizer, steps.
+
+
+def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup,
+        decay_steps=max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr / 10)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+def build(cfg: TrainConfig, vocab_size: int):
+    mcfg = dataclasses.replace(model_lib.CONFIGS[cfg.model], implementation=cfg.implementation,
+                               remat=cfg.remat)
+    if vocab_size > mcfg.vocab_size:
+        raise ValueError(f"the tokenizer/data have {vocab_size} tokens but the {cfg.model!r} "
+                         f"preset's vocabulary is {mcfg.vocab_size}")
+    model = model_lib.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
+    optimizer = nnx.Optimizer(model, build_optimizer(cfg), wrt=nnx.Param)
+    return model, optimizer
+
+
+@nnx.jit
+def train_step(model, optimizer, tokens, l1_coeff):
+    grad_fn = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)
+    (_, metrics), grads = grad_fn(model, tokens, l1_coeff)
+    optimizer.update(model, grads)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    return metrics
+
+
+@nnx.jit
+def eval_step(model, tokens):
+    _, metrics = model_lib.loss_fn(model, tokens, 0.0)
+    return metrics["ce"], model_lib.unit_activity(model, tokens[:, :-1])
+
+
+def evaluate(model, corpus: Corpus, cfg: TrainConfig) -> dict:
+    """Held-out cross-entropy over ``eval_batches`` fixed batches, and the dead-unit fraction
+    per layer (units never active over those batches' tokens)."""
+    ces, active = [], None
+    for i in range(cfg.eval_batches):
+        batch = sample_batch(corpus.heldout, cfg.batch_size, cfg.seq_len, cfg.seed, i, EVAL_STREAM)
+        ce, act = eval_step(model, jnp.asarray(batch))
+        ces.append(float(ce))
+        active = act if active is None else active | act
+    dead = 1.0 - np.asarray(active, np.float64).mean(axis=-1)
+    return {"eval_loss": float(np.mean(ces)), "dead_frac": [round(float(d), 5) for d in dead]}
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints, logs, plot.
+
+
+def checkpoint_manager(run_dir: Path) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        (run_dir / "ckpt").absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, model, optimizer) -> None:
+    manager.save(step, args=ocp.args.Composite(
+        model=ocp.args.StandardSave(nnx.state(model)),
+        optimizer=ocp.args.StandardSave(nnx.state(optimizer))))
+    manager.wait_until_finished()
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, model, optimizer) -> int:
+    """Loads the newest checkpoint into model and optimizer; returns its step (0 if none)."""
+    step = manager.latest_step()
+    if step is None:
+        return 0
+    abstract = lambda obj: jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(obj))
+    restored = manager.restore(step, args=ocp.args.Composite(
+        model=ocp.args.StandardRestore(abstract(model)),
+        optimizer=ocp.args.StandardRestore(abstract(optimizer))))
+    nnx.update(model, restored["model"])
+    nnx.update(optimizer, restored["optimizer"])
+    return int(step)
+
+
+def _jsonable(value):
+    if isinstance(value, (np.ndarray, jax.Array)):
+        value = np.asarray(value)
+        return value.tolist() if value.ndim else value.item()
+    return value
+
+
+def read_metrics(path: Path, up_to_step: int | None = None) -> list[dict]:
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if up_to_step is None or r["step"] <= up_to_step]
+
+
+def write_plot(records: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "ce" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    fig, (ax_loss, ax_nnz) = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        steps = [r["step"] for r in train]
+        ax_loss.plot(steps, [r["ce"] for r in train], label="train cross-entropy")
+        ax_loss.plot(steps, [r["loss"] for r in train], label="train loss (with L1)", alpha=0.6)
+        nnz = np.asarray([r["nnz_mean"] for r in train])
+        for layer in range(nnz.shape[1]):
+            ax_nnz.plot(steps, nnz[:, layer], label=f"layer {layer}")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-",
+                     label="held-out cross-entropy")
+    ax_loss.set(xlabel="step", ylabel="nats / token", title="loss")
+    ax_nnz.set(xlabel="step", ylabel="active FFN units / token", yscale="log",
+               title="FFN non-zeros per token")
+    for ax in (ax_loss, ax_nnz):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------
+# The loop.
+
+
+def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | None = None,
+          quiet: bool = False) -> dict:
+    """Runs (or resumes) training; returns the final summary.
+
+    ``stop_after`` ends the run after that step (saving a checkpoint), as if it were killed
+    there: tests use it to check that ``--resume`` continues exactly. ``corpus`` skips loading.
+    """
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = run_dir / "metrics.jsonl"
+    plot_path = run_dir / "metrics.png"
+    if corpus is None:
+        corpus = load_corpus(cfg.data, make_tokenizer(cfg.tokenizer), cfg.heldout_fraction)
+    log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    log(f"data: {corpus.description}")
+    model, optimizer = build(cfg, corpus.vocab_size)
+    log(f"model: {cfg.model} ({model.cfg.param_count():,} parameters), FFN "
+        f"{cfg.implementation}, L1 {cfg.l1_coeff:g}, out {run_dir}")
+    manager = checkpoint_manager(run_dir)
+    start = 0
+    if cfg.resume:
+        start = restore_checkpoint(manager, model, optimizer)
+        log(f"resumed from step {start}" if start else "no checkpoint found: starting fresh")
+    elif manager.latest_step() is not None:
+        raise SystemExit(f"{run_dir / 'ckpt'} holds checkpoints; pass --resume to continue, "
+                         "or choose another --out-dir")
+    records = read_metrics(metrics_path, up_to_step=start) if start else []
+    with open(metrics_path, "w") as f:  # drop lines past the checkpoint
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+
+    def append(record: dict) -> None:
+        records.append(record)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    l1_coeff = jnp.float32(cfg.l1_coeff)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=quiet,
+               dynamic_ncols=True, desc=cfg.run_name)
+    # Training time excludes the first step (compilation), evaluations and checkpoints.
+    clock = _Clock()
+    tokens_per_s = float("nan")
+    logged_s, logged_tokens = 0.0, 0
+    last_eval: dict = {}
+    for step in bar:
+        batch = jnp.asarray(sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, cfg.seed,
+                                         step, TRAIN_STREAM))
+        metrics = train_step(model, optimizer, batch, l1_coeff)
+        done = step + 1
+        if step == start:
+            jax.block_until_ready(metrics)
+            clock.start()
+        else:
+            clock.tokens += tokens_per_step
+        if done % cfg.log_every == 0 or done == end:
+            metrics = jax.device_get(metrics)
+            clock.stop()
+            if clock.seconds > logged_s:
+                tokens_per_s = (clock.tokens - logged_tokens) / (clock.seconds - logged_s)
+            logged_s, logged_tokens = clock.seconds, clock.tokens
+            clock.start()
+            record = {"step": done, **{k: _jsonable(v) for k, v in metrics.items()},
+                      "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 1)}
+            append(record)
+            bar.set_postfix(loss=f"{record['ce']:.3f}", nnz=f"{np.mean(record['nnz_mean']):.1f}",
+                            tok_s=f"{tokens_per_s:,.0f}")
+            if not np.isfinite(record["loss"]):
+                raise FloatingPointError(f"loss is {record['loss']} at step {done}")
+        at_eval = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
+        at_ckpt = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
+        if at_eval or at_ckpt:
+            jax.block_until_ready(metrics)
+            clock.stop()
+        if at_eval:
+            last_eval = evaluate(model, corpus, cfg)
+            append({"step": done, **last_eval})
+            write_plot(records, plot_path, cfg.run_name)
+            if not quiet:
+                bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}, "
+                          f"dead units by layer {last_eval['dead_frac']}")
+        if at_ckpt:
+            save_checkpoint(manager, done, model, optimizer)
+        if at_eval or at_ckpt:
+            clock.start()
+    bar.close()
+    manager.close()
+    write_plot(records, plot_path, cfg.run_name)
+    last = next((r for r in reversed(records) if "ce" in r), {})
+    summary = {
+        "step": end,
+        "eval_loss": last_eval.get("eval_loss"),
+        "dead_frac": last_eval.get("dead_frac"),
+        "train_ce": last.get("ce"),
+        "nnz_mean": last.get("nnz_mean"),
+        "nnz_max": last.get("nnz_max"),
+        "heavy_rows": last.get("heavy_rows"),
+        "tokens_per_s": round(clock.tokens / clock.seconds, 1) if clock.seconds else None,
+        "out_dir": str(run_dir),
+    }
+    first = next((r for r in records if "ce" in r), {})
+    log(f"done: step {end}/{cfg.steps}; train cross-entropy {first.get('ce', float('nan')):.3f} "
+        f"-> {summary['train_ce']:.3f}; held-out loss {summary['eval_loss']}")
+    log(f"  nnz per token by layer: {_fmt(first.get('nnz_mean'))} -> {_fmt(summary['nnz_mean'])} "
+        f"of {model.cfg.d_ff} (max {summary['nnz_max']}); heavy rows {summary['heavy_rows']}")
+    log(f"  dead units by layer: {summary['dead_frac']}; {summary['tokens_per_s']} tokens/s; "
+        f"logs {metrics_path}, plot {plot_path}")
+    return summary
+
+
+class _Clock:
+    """Accumulates wall time between start() and stop(), and a token count."""
+
+    def __init__(self):
+        self.seconds, self.tokens, self._since = 0.0, 0, None
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._since is not None:
+            self.seconds += time.perf_counter() - self._since
+            self._since = None
+
+
+def _fmt(values) -> str:
+    return "[" + ", ".join(f"{v:.1f}" for v in values) + "]" if values else "?"
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    return train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,48 @@
+"""Proof that implementation="pallas" runs the Pallas kernels (their names in the program)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_kernels.common as kernels_common
+import twell_jax as tj
+from twell_jax import ffn
+from tests.test_lowering import export_for_cuda
+from tests.utils import make_ffn_inputs
+
+FORWARD_KERNELS = {"twell_pack_rows", "twell_sampled_dot", "twell_sparse_down"}
+SPARSE = tj.TwELLConfig(dense_fallback_density=1.0)  # never the dense switch
+
+
+def _kernel_names(text: str) -> set[str]:
+    return set(re.findall(r"twell_(?:pack_rows|pack_tiles|gate_pack|sampled_dot|sparse_down|"
+                          r"gated_up_down)", text))
+
+
+def test_forward_and_backward_lower_the_kernels():
+    x, *weights = make_ffn_inputs(0, 32, 64, 256, "uniform", jnp.float32)
+    fwd = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=SPARSE))
+    assert _kernel_names(fwd.lower(x, *weights).as_text(debug_info=True)) == FORWARD_KERNELS
+    grad = jax.grad(lambda *a: jnp.sum(tj.gated_mlp(*a, implementation="pallas", config=SPARSE)),
+                    argnums=(0, 1, 2, 3))
+    # Backward: dh = dy . w_down[j] (sampled_dot) and dx (sparse_down) run on the kernels.
+    assert {"twell_sampled_dot", "twell_sparse_down"} <= _kernel_names(
+        str(jax.make_jaxpr(grad)(x, *weights)))
+    reference = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="reference", config=SPARSE))
+    assert not _kernel_names(reference.lower(x, *weights).as_text(debug_info=True))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_whole_op_lowers_for_the_gpu(monkeypatch, gated):
+    """The full op, compiled for CUDA on this CPU machine, contains the Triton kernels."""
+    monkeypatch.setattr(kernels_common, "default_interpret", lambda: False)
+    monkeypatch.setattr(ffn, "default_interpret", lambda: False)
+    m, d, f = 256, 256, 512
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in
+              ([(m, d), (d, f), (d, f), (f, d)] if gated else [(m, d), (d, f), (f, d)])]
+    op = tj.gated_mlp if gated else tj.mlp
+    module = export_for_cuda(lambda *a: op(*a, implementation="pallas", config=SPARSE), *shapes)
+    expected = FORWARD_KERNELS if gated else {"twell_pack_rows", "twell_sparse_down"}
+    assert expected <= _kernel_names(module)
