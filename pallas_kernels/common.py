@@ -26,3 +26,23 @@ def resolve_interpret(interpret: bool | None) -> bool:
 
 def is_power_of_two(n: int) -> bool:
     return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= ``cap`` that divides ``n`` (1 at worst)."""
+    b = cap
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+def check_config(config, power_of_two_fields: tuple[str, ...]) -> None:
+    """Shared ``__post_init__`` checks: the named fields are powers of two and ``num_stages``
+    (if the config has it) is an int >= 1. Raises ValueError naming the field and value."""
+    for name in power_of_two_fields:
+        value = getattr(config, name)
+        if not is_power_of_two(value):
+            raise ValueError(f"{name} must be a power of two, got {value!r}")
+    stages = getattr(config, "num_stages", 1)
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {stages!r}")

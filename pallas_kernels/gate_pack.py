@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_power_of_two, resolve_interpret
+from pallas_kernels.common import is_power_of_two, largest_pow2_divisor, resolve_interpret
 
 PrefixSum = Literal["cumsum", "matmul"]
 _PREFIX_SUMS = ("cumsum", "matmul")
@@ -192,12 +192,6 @@ class GatePackConfig:
             raise ValueError(f"prefix_sum must be one of {_PREFIX_SUMS}, got {self.prefix_sum!r}")
 
 
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    b = cap
-    while b > 1 and n % b:
-        b //= 2
-    return b
-
 
 def default_gate_pack_config(m: int, d: int, f: int, tile_width: int, dtype) -> GatePackConfig:
     """Default blocks for x [m, d] @ w [d, f] with tile width T = ``tile_width``.
@@ -220,9 +214,9 @@ def default_gate_pack_config(m: int, d: int, f: int, tile_width: int, dtype) -> 
     then ``pack_rows``) by default.
     """
     del f
-    block_m = max(16, _largest_pow2_divisor(m, 32 if tile_width >= 256 else 64))
+    block_m = max(16, largest_pow2_divisor(m, 32 if tile_width >= 256 else 64))
     cap_k = 32 if jnp.dtype(dtype) == jnp.float32 else 64
-    block_k = max(16, _largest_pow2_divisor(d, cap_k))
+    block_k = max(16, largest_pow2_divisor(d, cap_k))
     return GatePackConfig(block_m=block_m, block_k=block_k)
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_power_of_two, resolve_interpret
+from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_interpret
 
 Schedule = Literal["fused", "two_pass"]
 _SCHEDULES = ("fused", "two_pass")
@@ -174,23 +174,11 @@ class GatedUpDownConfig:
     preload_x: bool = True
 
     def __post_init__(self):
-        for name in ("block_m", "block_d", "num_warps"):
-            v = getattr(self, name)
-            if not is_power_of_two(v):
-                raise ValueError(f"{name} must be a power of two, got {v!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+        check_config(self, ("block_m", "block_d", "num_warps"))
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
         if not isinstance(self.preload_x, bool):
             raise ValueError(f"preload_x must be a bool, got {self.preload_x!r}")
-
-
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    b = cap
-    while b > 1 and n % b:
-        b //= 2
-    return b
 
 
 def default_gated_up_down_config(m: int, k: int, f: int, d: int, dtype) -> GatedUpDownConfig:
@@ -204,8 +192,8 @@ def default_gated_up_down_config(m: int, k: int, f: int, d: int, dtype) -> Gated
     thread at 4 warps; unmeasured there). Blocks shrink to powers of two dividing m / d.
     """
     del k, f, dtype
-    block_m = _largest_pow2_divisor(m, 16)
-    block_d = _largest_pow2_divisor(d, 512)
+    block_m = largest_pow2_divisor(m, 16)
+    block_d = largest_pow2_divisor(d, 512)
     if block_m * d <= 8192:
         return GatedUpDownConfig(block_m=block_m, block_d=block_d, schedule="fused")
     return GatedUpDownConfig(

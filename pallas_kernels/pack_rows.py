@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_power_of_two, resolve_interpret
+from pallas_kernels.common import (check_config, is_power_of_two, largest_pow2_divisor,
+                                   resolve_interpret)
 from pallas_kernels.gate_pack import pack_reference
 
 
@@ -81,12 +82,7 @@ class PackRowsConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_m", "num_warps"):
-            v = getattr(self, name)
-            if not is_power_of_two(v):
-                raise ValueError(f"{name} must be a power of two, got {v!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+        check_config(self, ("block_m", "num_warps"))
 
 
 def default_pack_rows_config(m: int, f: int, tile_width: int) -> PackRowsConfig:
@@ -95,10 +91,7 @@ def default_pack_rows_config(m: int, f: int, tile_width: int) -> PackRowsConfig:
     The pass reads 184 MB, so it is bound by latency (the per-tile scan and scatter), not
     bandwidth: more, smaller programs keep more tiles in flight."""
     del f, tile_width
-    block_m = 16
-    while block_m > 1 and m % block_m:
-        block_m //= 2
-    return PackRowsConfig(block_m=block_m)
+    return PackRowsConfig(block_m=largest_pow2_divisor(m, 16))
 
 
 def pack_rows(h: jax.Array, *, tile_width: int, slots_per_tile: int,

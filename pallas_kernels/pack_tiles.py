@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_power_of_two, resolve_interpret
+from pallas_kernels.common import (check_config, is_power_of_two, largest_pow2_divisor,
+                                   resolve_interpret)
 from pallas_kernels.gate_pack import PrefixSum, pack_block, pack_reference
 
 
@@ -54,10 +55,7 @@ class PackTilesConfig:
     prefix_sum: PrefixSum = "cumsum"
 
     def __post_init__(self):
-        for name in ("block_m", "tiles_per_program", "num_warps"):
-            v = getattr(self, name)
-            if not is_power_of_two(v):
-                raise ValueError(f"{name} must be a power of two, got {v!r}")
+        check_config(self, ("block_m", "tiles_per_program", "num_warps"))
         if self.prefix_sum not in ("cumsum", "matmul"):
             raise ValueError(f"prefix_sum must be 'cumsum' or 'matmul', got {self.prefix_sum!r}")
 
@@ -66,10 +64,7 @@ def default_pack_tiles_config(m: int, f: int, tile_width: int) -> PackTilesConfi
     """32 rows x one tile per program: a memory-bound pass, so many small programs keep
     enough loads in flight. Untuned on the device."""
     del f, tile_width
-    block_m = 32
-    while block_m > 1 and m % block_m:
-        block_m //= 2
-    return PackTilesConfig(block_m=block_m)
+    return PackTilesConfig(block_m=largest_pow2_divisor(m, 32))
 
 
 def pack_tiles(h: jax.Array, *, tile_width: int, slots_per_tile: int,

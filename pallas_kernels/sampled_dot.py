@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_power_of_two, resolve_interpret
+from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_interpret
 
 
 # Unrolled D chunks past this made the kernel 6x slower at D = 4096 on the H100 (8.2 ms against
@@ -103,12 +103,7 @@ class SampledDotConfig:
     num_stages: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "block_k", "block_d", "num_warps"):
-            v = getattr(self, name)
-            if not is_power_of_two(v):
-                raise ValueError(f"{name} must be a power of two, got {v!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+        check_config(self, ("block_m", "block_k", "block_d", "num_warps"))
 
 
 def default_sampled_dot_config(m: int, k: int, f: int, d: int, dtype) -> SampledDotConfig:
@@ -118,13 +113,8 @@ def default_sampled_dot_config(m: int, k: int, f: int, d: int, dtype) -> Sampled
     (one entry per step, 512-wide chunks) took 1.64 ms. ``sparse_down`` reads the same bytes in
     0.36 ms, so this is still the slower half of the up/down."""
     del k, f, dtype
-    block_m = 16
-    while block_m > 1 and m % block_m:
-        block_m //= 2
-    block_d = 128
-    while block_d > 1 and d % block_d:
-        block_d //= 2
-    return SampledDotConfig(block_m=block_m, block_d=block_d)
+    return SampledDotConfig(block_m=largest_pow2_divisor(m, 16),
+                            block_d=largest_pow2_divisor(d, 128))
 
 
 def _check_args(a, w, columns, row_nnz):

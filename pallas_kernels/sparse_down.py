@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_power_of_two, resolve_interpret
+from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_interpret
 
 
 def _sparse_down_kernel(
@@ -80,19 +80,7 @@ class SparseDownConfig:
     num_stages: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "block_d", "num_warps"):
-            v = getattr(self, name)
-            if not is_power_of_two(v):
-                raise ValueError(f"{name} must be a power of two, got {v!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
-
-
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    b = cap
-    while b > 1 and n % b:
-        b //= 2
-    return b
+        check_config(self, ("block_m", "block_d", "num_warps"))
 
 
 def default_sparse_down_config(m: int, k: int, f: int, d: int, dtype) -> SparseDownConfig:
@@ -105,7 +93,7 @@ def default_sparse_down_config(m: int, k: int, f: int, d: int, dtype) -> SparseD
     """
     del k, f, dtype
     return SparseDownConfig(
-        block_m=_largest_pow2_divisor(m, 16), block_d=_largest_pow2_divisor(d, 512)
+        block_m=largest_pow2_divisor(m, 16), block_d=largest_pow2_divisor(d, 512)
     )
 
 

@@ -5,4 +5,4 @@ from twell_jax.ffn import IMPLEMENTATIONS, FFNStats, gated_mlp, mlp
 from twell_jax.format import TwELL, pack
 from twell_jax import nn
 
-__all__ = ["TwELLConfig", "TwELL", "pack", "gated_mlp", "mlp", "FFNStats", "IMPLEMENTATIONS"]
+__all__ = ["TwELLConfig", "TwELL", "pack", "gated_mlp", "mlp", "FFNStats", "IMPLEMENTATIONS", "nn"]

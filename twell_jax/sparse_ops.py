@@ -11,8 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sampled_dot import sampled_dot_reference
+from pallas_kernels.sparse_down import sparse_down_reference
+
 _F32 = jnp.float32
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _valid(row_nnz: jax.Array, k) -> jax.Array:
@@ -23,34 +25,18 @@ def sampled_dot(a: jax.Array, w: jax.Array, columns: jax.Array, row_nnz: jax.Arr
     """out[m, k] = a[m] . w[columns[m, k]] for k < row_nnz[m], else 0.
 
     a: [M, D]; w: [F, D]; columns: [M, K] int32; row_nnz: [M] int32. Returns [M, K] float32.
+    (The ``sampled_dot`` kernel's reference.)
     """
-    m, k_slots = columns.shape
-    a32 = a.astype(_F32)
-
-    def body(k, out):
-        ok = _valid(row_nnz, k)
-        rows = jnp.take(w, jnp.where(ok, columns[:, k], 0), axis=0).astype(_F32)
-        dot = jnp.sum(a32 * rows, axis=1)
-        return out.at[:, k].set(jnp.where(ok, dot, 0.0))
-
-    return jax.lax.fori_loop(0, jnp.max(row_nnz), body, jnp.zeros((m, k_slots), _F32))
+    return sampled_dot_reference(a, w, columns, row_nnz)
 
 
 def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array, w: jax.Array) -> jax.Array:
     """out[m] = sum_{k < row_nnz[m]} values[m, k] * w[columns[m, k]].
 
     values: [M, K]; columns: [M, K] int32; row_nnz: [M]; w: [F, D]. Returns [M, D] float32.
+    (The ``sparse_down`` kernel's reference.)
     """
-    m = values.shape[0]
-
-    def body(k, out):
-        ok = _valid(row_nnz, k)
-        rows = jnp.take(w, jnp.where(ok, columns[:, k], 0), axis=0).astype(_F32)
-        scale = jnp.where(ok, values[:, k].astype(_F32), 0.0)
-        # where(), not a product, so a masked row never turns an Inf weight into NaN.
-        return out + jnp.where(ok[:, None], scale[:, None] * rows, 0.0)
-
-    return jax.lax.fori_loop(0, jnp.max(row_nnz), body, jnp.zeros((m, w.shape[1]), _F32))
+    return sparse_down_reference(values, columns, row_nnz, w, out_dtype=_F32)
 
 
 def sparse_outer(values: jax.Array, columns: jax.Array, row_nnz: jax.Array, b: jax.Array,
