@@ -45,7 +45,7 @@ def _packing_case(draw):
     return h, tj.TwELLConfig(tile_width=tile, slots_per_tile=slots, max_row_density=density)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(_packing_case())
 def test_pack_round_trip_is_exact(case):
     h, config = case
@@ -66,7 +66,7 @@ def test_pack_round_trip_is_exact(case):
         assert np.all(np.diff(cols[r, t, : kept[r, t]]) > 0)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(_packing_case())
 def test_row_compact_keeps_every_stored_entry_in_order(case):
     h, config = case
