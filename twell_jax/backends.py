@@ -10,6 +10,8 @@ A backend supplies the packed products the shared algorithm in ``ffn.py`` needs:
   -> ``(y [M, D] float32 or x.dtype, up_values [M, K] float32)``.
 - ``sparse_dot(values [M, K], columns, row_nnz, w [F, D])`` -> [M, D].
 - ``sampled_dot(a [M, D], w [F, D], columns, row_nnz)`` -> [M, K] float32.
+- ``sparse_outer(values [M, K], columns, row_nnz, b [M, D], d_ff)`` -> [d_ff, D] float32:
+  the transposed products of the backward (dW).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Backend:
     gated_up_down: Callable
     sparse_dot: Callable
     sampled_dot: Callable
+    sparse_outer: Callable
 
 
 def _reference_pack(x: jax.Array, w: jax.Array, config: TwELLConfig):
@@ -54,6 +57,7 @@ REFERENCE = Backend(
     gated_up_down=_reference_gated_up_down,
     sparse_dot=sparse_ops.sparse_dot,
     sampled_dot=sparse_ops.sampled_dot,
+    sparse_outer=sparse_ops.sparse_outer,
 )
 
 

@@ -27,7 +27,6 @@ from pallas_kernels.common import default_interpret
 from twell_jax import backends
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 from twell_jax.format import heavy_row_index, heavy_rows
-from twell_jax.sparse_ops import sparse_outer
 
 Implementation = Literal["pallas", "reference", "xla"]
 IMPLEMENTATIONS: tuple[str, ...] = ("pallas", "reference", "xla")
@@ -254,19 +253,21 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
         g = r.gate_values.astype(_F32)
         h = g * r.up_values if gated else g
         dh = dh + l1_ct * jnp.sign(h)  # unused entries: h = 0, sign 0
-        to_sparse = functools.partial(sparse_outer, columns=r.columns, row_nnz=r.row_nnz, d_ff=f)
-        d_w_down = to_sparse(h, b=dy)
+        def outer(values, b):  # the transposed products: [F, D] = sum over entries
+            return backend.sparse_outer(values, r.columns, r.row_nnz, b, f)
+
+        d_w_down = outer(h, dy)
         if gated:
             w_gate, w_up, _ = weights
             du = dh * g
             dg = dh * r.up_values
             dx = (backend.sparse_dot(du, r.columns, r.row_nnz, w_up.T)
                   + backend.sparse_dot(dg, r.columns, r.row_nnz, w_gate.T))
-            d_weights = (to_sparse(dg, b=x).T, to_sparse(du, b=x).T, d_w_down)
+            d_weights = (outer(dg, x).T, outer(du, x).T, d_w_down)
         else:
             w_up, _ = weights
             dx = backend.sparse_dot(dh, r.columns, r.row_nnz, w_up.T)
-            d_weights = (to_sparse(dh, b=x).T, d_w_down)
+            d_weights = (outer(dh, x).T, d_w_down)
         init = (dx, d_weights)
 
         def run_rows(index):

@@ -7,8 +7,10 @@ kernels run in interpret mode (``pallas_kernels.common.resolve_interpret``).
 
 How each stage runs is chosen by ``PallasOptions`` (defaults from the H100 measurements in
 BENCHMARKS.md; ``use_options`` switches them for benchmarks). The backward's sampled product
-(dh) and dx products run on the ``sampled_dot`` / ``sparse_down`` kernels; the transposed
-products (dW) still use the plain-jnp reference until the training kernels land.
+(dh) and dx products run on the ``sampled_dot`` / ``sparse_down`` kernels. The transposed
+products (dW = h^T @ dy and the like) scatter the packed values into a dense [M, F] matrix
+inside the backward and run one dense GEMM: not sparse, but one fast GEMM instead of a
+per-entry scatter-add, until a transposed sparse kernel exists. Nothing dense is saved.
 """
 
 from __future__ import annotations
@@ -148,9 +150,20 @@ def _sparse_dot(values, columns, row_nnz, w):
     return y[:m, :d]
 
 
+def _densified_outer(values, columns, row_nnz, b, d_ff):
+    m, k = values.shape
+    valid = jnp.arange(k, dtype=jnp.int32)[None, :] < row_nnz[:, None]
+    dest = jnp.where(valid, columns, d_ff)  # d_ff = dropped
+    rows = jnp.broadcast_to(jnp.arange(m)[:, None], dest.shape)
+    # The scattered matrix takes b's dtype (bf16 in training): the GEMM runs on tensor cores.
+    dense = jnp.zeros((m, d_ff), b.dtype).at[rows, dest].set(values.astype(b.dtype), mode="drop")
+    return jnp.dot(dense.T, b, preferred_element_type=jnp.float32)
+
+
 BACKEND = Backend(
     pack=_pack,
     gated_up_down=_gated_up_down,
     sparse_dot=_sparse_dot,
     sampled_dot=_sampled_dot,
+    sparse_outer=_densified_outer,
 )
