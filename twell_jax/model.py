@@ -8,11 +8,12 @@ Dtypes: parameters in ``param_dtype`` (float32, the optimizer's master copy); ac
 residual stream and every matmul in ``dtype`` (bf16 by default) with float32 accumulation; norms,
 softmax and the logits in float32.
 
-Statistics: each FFN sows its ``FFNStats`` under ``"ffn_stats"`` (``nnx.Intermediate``). ``loss_fn``
-captures them and adds ``l1_coeff * nn.l1_penalty(...)`` (the mean over layers of ``stats.l1``) to the
-next-token cross-entropy. Each block also sows its FFN input under ``"ffn_input"`` as ``FFNInput``, a
-separate variable type that ``nnx.capture(model, nnx.Intermediate)`` does not collect (capture matches
-the exact type), so training never keeps it; ``unit_activity`` captures it to find dead units.
+Statistics: each FFN sows its ``FFNStats`` under ``"ffn_stats"`` (``nnx.Intermediate``).
+``loss_fn`` captures them and adds ``l1_coeff * nn.l1_penalty(...)`` (the mean over layers of
+``stats.l1``) to the next-token cross-entropy. Each block also sows its FFN input under
+``"ffn_input"`` as ``FFNInput``, a separate variable type that ``nnx.capture(model,
+nnx.Intermediate)`` does not collect (capture matches the exact type), so training never keeps
+it; ``unit_activity`` captures it to find dead units.
 
 Remat: with ``ModelConfig.remat`` each block runs under ``nnx.remat`` with the policy
 ``save_only_these_names("ffn_out")``: the FFN outputs (``nn.CHECKPOINT_NAME``) are kept, everything
@@ -292,7 +293,7 @@ def build(cfg: ModelConfig | str, *, seed: int = 0, **overrides) -> Transformer:
 
 
 def layer_stats(intermediates: nnx.State, n_layers: int) -> list[FFNStats]:
-    """The ``FFNStats`` of each layer, in layer order, from ``nnx.capture(..., nnx.Intermediate)``."""
+    """Each layer's ``FFNStats``, in layer order, from ``nnx.capture(..., nnx.Intermediate)``."""
     stats = nn.sown_stats(intermediates)
     if len(stats) != n_layers:
         raise ValueError(f"found {len(stats)} FFNStats for {n_layers} layers")

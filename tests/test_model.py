@@ -1,0 +1,271 @@
+"""Tests of the TwELL decoder in ``twell_jax.model``: configs, forward, loss, remat, training."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from twell_jax import model as model_lib
+from twell_jax.config import TwELLConfig
+
+TINY = model_lib.CONFIGS["tiny"]
+# Slots as wide as the tile and no row-density limit: no row is ever heavy, so the sparse
+# paths compute every token themselves (at init about half of the units are active, and the
+# default config would send every row to the dense backup). Pallas never switches to dense.
+ALL_SPARSE = TwELLConfig(tile_width=16, slots_per_tile=16, max_row_density=1.0,
+                         dense_fallback_density=1.0)
+# Relative norm error between implementations of the whole model (bf16 activations: each
+# rounds h and y to bf16 at different points, 2 layers deep).
+BF16_RTOL = 2e-2
+
+
+def _pallas_available() -> bool:
+    try:
+        import twell_jax.pallas_backend  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "twell_jax.pallas_backend":
+            raise
+        return False
+    return True
+
+
+IMPLEMENTATIONS = ["xla", "reference"] + (["pallas"] if _pallas_available() else [])
+
+
+def rel_err(actual, expected) -> float:
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
+    assert np.all(np.isfinite(a)), "non-finite values"
+    return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+
+
+X_SHAPE = (2, 25)  # [B, T + 1] for loss_fn; one shape so the jitted functions compile once
+
+
+def tokens(shape=X_SHAPE, seed=0, vocab=TINY.vocab_size):
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab, jnp.int32)
+
+
+@nnx.jit
+def forward(model, x):
+    return model(x)
+
+
+@nnx.jit
+def loss_and_grads(model, x, l1_coeff):
+    return nnx.value_and_grad(model_lib.loss_fn, has_aux=True)(model, x, l1_coeff)
+
+
+# ------------------------------------------------------------------------------------------
+# Configs.
+
+
+@pytest.mark.parametrize("name", list(model_lib.CONFIGS))
+def test_preset_param_count(name):
+    cfg = model_lib.CONFIGS[name]
+    assert cfg.d_model % cfg.n_heads == 0
+    abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert n == cfg.param_count()
+
+
+def test_paper_presets():
+    for name, layers in {"0.5b": 8, "1b": 18, "1.5b": 28, "2b": 38}.items():
+        cfg = model_lib.CONFIGS[name]
+        assert (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.head_dim, cfg.vocab_size,
+                cfg.max_seq_len, cfg.n_layers) == (2048, 5632, 32, 64, 49152, 2048, layers)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_heads=5), "not divisible"),
+    (dict(d_model=0), "d_model must be a positive int"),
+    (dict(n_layers=2.0), "n_layers must be a positive int"),
+    (dict(implementation="cuda"), "implementation must be one of"),
+    (dict(dtype=jnp.int32), "dtype must be a floating-point dtype"),
+    (dict(d_model=12, n_heads=4), "must be even"),
+])
+def test_config_rejects(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(TINY, **change)
+
+
+def test_config_is_hashable():
+    assert hash(TINY) == hash(dataclasses.replace(TINY))
+
+
+# ------------------------------------------------------------------------------------------
+# Forward and loss.
+
+
+def test_forward_shapes():
+    model = model_lib.build("tiny")
+    logits = forward(model, tokens((2, 17)))
+    assert logits.shape == (2, 17, TINY.vocab_size) and logits.dtype == jnp.float32
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        model(tokens((1, TINY.max_seq_len + 1)))
+
+
+def test_causal():
+    """Changing a later token leaves the logits at earlier positions unchanged."""
+    model = model_lib.build("tiny")
+    x = tokens((2, 17))
+    y = x.at[0, 8].set((x[0, 8] + 1) % TINY.vocab_size)
+    a, b = forward(model, x), forward(model, y)
+    np.testing.assert_array_equal(np.asarray(a[:, :8]), np.asarray(b[:, :8]))
+    assert not np.allclose(np.asarray(a[:, 8:]), np.asarray(b[:, 8:]))
+
+
+@nnx.jit
+def logits_and_metrics(model, x):
+    """One forward pass: logits and the per-layer statistics."""
+    logits, intermediates = nnx.capture(model, nnx.Intermediate)(x[:, :-1])
+    stats = model_lib.layer_stats(intermediates, model.cfg.n_layers)
+    return logits, {name: jnp.stack([jnp.asarray(getattr(s, name)) for s in stats])
+                    for name in ("nnz_mean", "heavy_rows", "dense_fallback")}
+
+
+@pytest.mark.parametrize("twell", [None, ALL_SPARSE], ids=["default", "all_sparse"])
+def test_implementations_agree_bf16(twell):
+    """bf16 logits and nnz of every implementation match the dense "xla" model. With the
+    default config every row is heavy at init (about half of 256 units active): the backup runs."""
+    x = tokens(seed=1)
+    results = {impl: logits_and_metrics(model_lib.build("tiny", implementation=impl,
+                                                        twell=twell, seed=3), x)
+               for impl in IMPLEMENTATIONS}
+    logits_x, metrics_x = results["xla"]
+    for impl in IMPLEMENTATIONS[1:]:
+        logits, metrics = results[impl]
+        assert rel_err(logits, logits_x) < BF16_RTOL, impl
+        np.testing.assert_allclose(metrics["nnz_mean"], metrics_x["nnz_mean"], rtol=0.02)
+        if twell is ALL_SPARSE:  # the sparse path computed every row
+            assert int(metrics["heavy_rows"].sum()) == 0 and not metrics["dense_fallback"].any()
+        else:
+            assert int(metrics["heavy_rows"].min()) > 0
+
+
+def test_implementations_agree_f32_grads():
+    """float32 loss and gradients of the sparse paths equal the dense model's to ~1e-6 (in bf16
+    the dense model's own gradients are ~5% off float32, too loose a check)."""
+    x = tokens(seed=1)
+    results = {}
+    for impl in IMPLEMENTATIONS:
+        model = model_lib.build("tiny", implementation=impl, twell=ALL_SPARSE, seed=3,
+                                dtype=jnp.float32)
+        (loss, metrics), grads = loss_and_grads(model, x, 0.01)
+        assert int(metrics["heavy_rows"].sum()) == 0 and int(metrics["dense_fallback"]) == 0
+        results[impl] = loss, jax.tree.leaves(nnx.state(grads))
+    loss_x, grads_x = results["xla"]
+    for impl in IMPLEMENTATIONS[1:]:
+        loss, grads = results[impl]
+        np.testing.assert_allclose(loss, loss_x, rtol=1e-5)
+        worst = max(rel_err(a, b) for a, b in zip(grads, grads_x))
+        assert worst < 2e-5, f"{impl}: gradient relative error {worst:.3e}"
+
+
+def test_loss_and_grads_finite():
+    model = model_lib.build("tiny", implementation="reference")
+    (loss, m), grads = loss_and_grads(model, tokens(), 0.01)
+    assert np.isfinite(loss) and np.isfinite(m["ce"]) and np.isfinite(m["l1"])
+    np.testing.assert_allclose(loss, m["ce"] + 0.01 * m["l1"], rtol=1e-6)
+    np.testing.assert_allclose(m["l1"], np.mean(m["l1_layer"]), rtol=1e-6)
+    # A fresh model's logits are about unit variance: cross-entropy near log(V) + 1/2 = 6.0.
+    assert 4.5 < float(m["ce"]) < 7.5
+    for name in ("nnz_mean", "nnz_max", "heavy_rows", "l1_layer"):
+        assert m[name].shape == (TINY.n_layers,), name
+    assert np.all(m["nnz_max"] >= m["nnz_mean"])
+    leaves = jax.tree.leaves(nnx.state(grads))
+    assert leaves and all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
+    assert any(np.any(np.asarray(g) != 0) for g in leaves)
+
+
+def test_l1_gradient_reaches_gate():
+    """The L1 term alone has a non-zero gradient on every layer's FFN weights."""
+    model = model_lib.build("tiny", implementation="reference")
+    x = tokens()
+    g1 = nnx.state(loss_and_grads(model, x, 1.0)[1])
+    g0 = nnx.state(loss_and_grads(model, x, 0.0)[1])
+    for i in range(TINY.n_layers):
+        diff = g1["blocks"][i]["ffn"]["w_gate"][...] - g0["blocks"][i]["ffn"]["w_gate"][...]
+        assert float(jnp.abs(diff).max()) > 0, i
+
+
+def test_layer_stats_in_layer_order():
+    """Stats come back in layer order also past 10 layers (sorted paths: 0, 1, ..., 10)."""
+    cfg = dataclasses.replace(TINY, n_layers=11)
+    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
+    dead = 10
+    w = model.blocks[dead].ffn.w_gate
+    w[...] = jnp.zeros_like(w[...])
+    _, m = nnx.jit(model_lib.loss_fn)(model, tokens((1, 9)), 0.0)
+    nnz = np.asarray(m["nnz_mean"])
+    assert nnz[dead] == 0 and np.all(np.delete(nnz, dead) > 0), nnz
+
+
+def test_unit_activity():
+    model = model_lib.build("tiny")
+    w = model.blocks[0].ffn.w_gate
+    w[...] = w[...].at[:, :10].set(0.0)  # these units' gates are exactly 0: never active
+    act = nnx.jit(model_lib.unit_activity)(model, tokens((2, 16)))
+    assert act.shape == (TINY.n_layers, TINY.d_ff) and act.dtype == jnp.bool_
+    assert not np.any(act[0, :10])
+    assert np.mean(act[:, 10:]) > 0.9  # 32 tokens at ~50% density: almost every unit fires
+    # One token: the active units are exactly the ones its FFN counted.
+    one = tokens((1, 1), seed=5)
+    act1 = nnx.jit(model_lib.unit_activity)(model, one)
+    _, m = nnx.jit(model_lib.loss_fn)(model, jnp.concatenate([one, one], axis=1), 0.0)
+    np.testing.assert_array_equal(np.asarray(act1).sum(-1), np.asarray(m["nnz_max"]))
+
+
+# ------------------------------------------------------------------------------------------
+# Remat and training.
+
+
+def test_remat_same_loss_and_grads():
+    """float32, so that the comparison is tight: in bf16 XLA fuses the recomputed block
+    differently and single gradient entries differ by bf16 roundings. The plain model is the
+    one of test_implementations_agree_f32_grads (its compiled step is reused)."""
+    x = tokens(seed=1)
+    kw = dict(implementation="reference", twell=ALL_SPARSE, seed=3, dtype=jnp.float32)
+    plain = model_lib.build("tiny", **kw)
+    remat = model_lib.build("tiny", remat=True, **kw)
+    (l0, m0), g0 = loss_and_grads(plain, x, 0.01)
+    (l1, m1), g1 = loss_and_grads(remat, x, 0.01)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    np.testing.assert_allclose(m1["nnz_mean"], m0["nnz_mean"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(nnx.state(g1)), jax.tree.leaves(nnx.state(g0))):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_remat_saves_only_ffn_outputs():
+    """Under remat the backward pass recomputes the attention: the jaxpr holds a remat."""
+    remat = model_lib.build("tiny", remat=True)
+    graphdef, state = nnx.split(remat)
+    x = tokens((1, 9))
+
+    def f(state):
+        return model_lib.loss_fn(nnx.merge(graphdef, state), x, 0.01)[0]
+
+    text = str(jax.make_jaxpr(jax.grad(f))(state))
+    assert "remat" in text or "checkpoint" in text
+
+
+def test_train_steps_decrease_loss():
+    """AdamW steps on one batch with the TwELL reference FFN. The loss and gradients are the
+    jitted ones of the tests above (compiled once); the optimizer update runs eagerly."""
+    model = model_lib.build("tiny", implementation="reference", seed=4)
+    optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    x = tokens(seed=4)
+    losses = []
+    for _ in range(15):
+        (loss, _), grads = loss_and_grads(model, x, 0.01)
+        optimizer.update(model, grads)
+        losses.append(float(loss))
+    assert all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 0.5, losses

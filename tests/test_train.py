@@ -1,0 +1,206 @@
+"""Tests of experiments/train.py: data loading, checkpoints, exact resume and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "train.py"
+
+
+@pytest.fixture(scope="module")
+def train():
+    spec = importlib.util.spec_from_file_location("train", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    """40 small text files (some in a subfolder) and one binary file that must be skipped."""
+    root = tmp_path_factory.mktemp("texts")
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "sparse", "tile", "ell", "jax", "\n"]
+    for i in range(40):
+        folder = root / "sub" if i % 3 == 0 else root
+        folder.mkdir(exist_ok=True)
+        text = " ".join(rng.choice(words, size=200)) + f" file {i}\n"
+        (folder / f"doc{i:02d}.txt").write_text(text)
+    (root / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
+    (root / ".hidden.txt").write_text("never read")
+    return root
+
+
+# Tiny runs: 4 sequences of 32 bytes, the reference FFN. The same --steps everywhere: the
+# optimizer (its schedule) is static in the jitted train step, so every test reuses one compile.
+TINY_FLAGS = ["--steps", "4", "--model", "tiny", "--implementation", "reference",
+              "--batch-size", "4", "--seq-len", "32", "--warmup", "2", "--eval-batches", "2",
+              "--log-every", "1", "--l1-coeff", "0.01"]
+
+
+# ------------------------------------------------------------------------------------------
+# Data.
+
+
+def test_corpus_split(train, text_dir):
+    tok = train.ByteTokenizer()
+    corpus = train.load_corpus(str(text_dir), tok, heldout_fraction=0.2)
+    files = sorted(p for p in text_dir.rglob("doc*.txt"))
+    held = [p for p in files if train.is_heldout(p.relative_to(text_dir).as_posix(), 0.2)]
+    assert 0 < len(held) < len(files)
+    total = sum(p.stat().st_size + 1 for p in files)  # + 1 separator per file
+    assert len(corpus.train) + len(corpus.heldout) == total
+    assert len(corpus.heldout) == sum(p.stat().st_size + 1 for p in held)
+    for stream in (corpus.train, corpus.heldout):
+        assert stream.dtype == np.uint8
+        assert b"never read" not in stream.tobytes()
+        assert b"\x01\x02" not in stream.tobytes()  # the binary file was skipped
+    # The held-out stream is the held-out files' bytes, in order, each followed by byte 0.
+    assert corpus.heldout.tobytes() == b"".join(p.read_bytes() + b"\0" for p in held)
+    again = train.load_corpus(str(text_dir), tok, heldout_fraction=0.2)
+    np.testing.assert_array_equal(again.train, corpus.train)
+
+
+def test_sample_batch_deterministic(train, text_dir):
+    corpus = train.load_corpus(str(text_dir), train.ByteTokenizer(), 0.2)
+    a = train.sample_batch(corpus.train, 3, 16, seed=7, step=5)
+    b = train.sample_batch(corpus.train, 3, 16, seed=7, step=5)
+    assert a.shape == (3, 17) and a.dtype == np.int32
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, train.sample_batch(corpus.train, 3, 16, seed=7, step=6))
+    assert not np.array_equal(a, train.sample_batch(corpus.train, 3, 16, seed=8, step=5))
+    assert not np.array_equal(a, train.sample_batch(corpus.train, 3, 16, 7, 5, stream=1))
+    stream = corpus.train.tobytes()
+    for row in a:  # every window is a contiguous piece of the stream
+        assert bytes(row.astype(np.uint8)) in stream
+    with pytest.raises(ValueError, match="need more than"):
+        train.sample_batch(corpus.train[:10], 1, 16, 0, 0)
+
+
+def test_token_files(train, tmp_path):
+    tokens = np.arange(1000, dtype=np.uint16) % 300
+    np.save(tmp_path / "t.npy", tokens.astype(np.int32))
+    tokens.tofile(tmp_path / "t.bin")
+    for name in ("t.npy", "t.bin"):
+        corpus = train.load_corpus(str(tmp_path / name), train.ByteTokenizer(), 0.1)
+        np.testing.assert_array_equal(corpus.train, tokens[:900])
+        np.testing.assert_array_equal(corpus.heldout, tokens[900:])
+        assert corpus.vocab_size == 300
+    # 300 token ids do not fit the byte-level tiny preset.
+    cfg = train.parse_args(TINY_FLAGS)
+    with pytest.raises(ValueError, match="vocabulary is 256"):
+        train.build(cfg, 300)
+
+
+def test_default_corpus_is_stdlib(train):
+    files = train._text_files(train.default_data_dir(), default=True)
+    names = {p.name for p in files}
+    assert {"os.py", "argparse.py"} <= names
+    assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in files)
+
+
+def test_hf_tokenizer_missing(train, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails
+    with pytest.raises(SystemExit, match="tokenizers"):
+        train.make_tokenizer("tokenizer.json")
+
+
+# ------------------------------------------------------------------------------------------
+# Flags.
+
+
+def test_every_flag_has_help(train):
+    for field in dataclasses.fields(train.TrainConfig):
+        assert field.metadata.get("help"), field.name
+
+
+def test_parse_args(train):
+    cfg = train.parse_args(TINY_FLAGS + ["--resume", "--steps", "7"])
+    assert cfg.resume and cfg.steps == 7 and cfg.seq_len == 32  # the last flag wins
+    assert cfg.run_dir == pathlib.Path("runs") / "tiny-reference-l1_0.01"
+    defaults = train.parse_args([])
+    assert defaults == train.TrainConfig()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--seq-len", "4096"])  # longer than the tiny preset's 128
+    with pytest.raises(SystemExit):
+        train.parse_args(["--implementation", "cuda"])
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints and resume.
+
+
+def _states_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and la
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_checkpoint_round_trip(train, text_dir, tmp_path):
+    cfg = train.parse_args(TINY_FLAGS + ["--out-dir", str(tmp_path)])
+    corpus = train.load_corpus(str(text_dir), train.ByteTokenizer(), 0.2)
+    model, optimizer = train.build(cfg, corpus.vocab_size)
+    batch = train.sample_batch(corpus.train, 4, 32, 0, 0)
+    train.train_step(model, optimizer, batch, np.float32(0.01))
+    manager = train.checkpoint_manager(tmp_path)
+    train.save_checkpoint(manager, 1, model, optimizer)
+    fresh_model, fresh_opt = train.build(dataclasses.replace(cfg, seed=1), corpus.vocab_size)
+    assert train.restore_checkpoint(manager, fresh_model, fresh_opt) == 1
+    _states_equal(nnx.state(fresh_model), nnx.state(model))
+    _states_equal(nnx.state(fresh_opt), nnx.state(optimizer))
+    assert int(fresh_opt.step[...]) == 1
+    manager.close()
+
+
+def test_exact_resume(train, text_dir, tmp_path):
+    corpus = train.load_corpus(str(text_dir), train.ByteTokenizer(), 0.2)
+    flags = TINY_FLAGS + ["--ckpt-every", "2", "--eval-every", "0"]
+    full = train.parse_args(flags + ["--out-dir", str(tmp_path / "full")])
+    split = train.parse_args(flags + ["--out-dir", str(tmp_path / "split")])
+    train.train(full, corpus=corpus, quiet=True)
+    train.train(split, corpus=corpus, quiet=True, stop_after=2)  # "killed" after step 2
+    with pytest.raises(SystemExit, match="--resume"):
+        train.train(split, corpus=corpus, quiet=True)
+    train.train(dataclasses.replace(split, resume=True), corpus=corpus, quiet=True)
+    a = [r for r in train.read_metrics(tmp_path / "full" / "metrics.jsonl") if "loss" in r]
+    b = [r for r in train.read_metrics(tmp_path / "split" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-6), ra["step"]
+        assert ra["nnz_mean"] == pytest.approx(rb["nnz_mean"], rel=1e-6)
+    assert a[-1]["loss"] < a[0]["loss"]
+
+
+def test_main_smoke(train, text_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    summary = train.main(TINY_FLAGS + ["--eval-every", "3", "--ckpt-every", "2",
+                                       "--data", str(text_dir), "--heldout-fraction", "0.2",
+                                       "--out-dir", str(out)])
+    records = train.read_metrics(out / "metrics.jsonl")
+    steps = [r for r in records if "ce" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["step"] for r in evals] == [3, 4]
+    for key in ("loss", "ce", "l1", "nnz_mean", "nnz_max", "heavy_rows", "tokens_per_s",
+                "grad_norm"):
+        assert key in steps[-1], key
+    assert len(steps[-1]["nnz_mean"]) == 2 and len(evals[-1]["dead_frac"]) == 2
+    assert (out / "metrics.png").stat().st_size > 1000
+    assert json.loads((out / "config.json").read_text())["steps"] == 4
+    assert sorted(int(p.name) for p in (out / "ckpt").iterdir() if p.name.isdigit()) == [2, 4]
+    assert summary["eval_loss"] == evals[-1]["eval_loss"]
+    text = capsys.readouterr().out
+    assert "held-out loss" in text and "nnz per token" in text
