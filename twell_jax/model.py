@@ -233,7 +233,7 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         h = self.ffn_norm(x)
-        self.sow(FFNInput, FFN_INPUT_NAME, h, capture_noop=True)
+        nn.sow_if_captured(self, FFNInput, FFN_INPUT_NAME, h)
         return x + self.ffn(h)
 
 

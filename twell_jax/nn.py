@@ -29,6 +29,17 @@ from jax.ad_checkpoint import checkpoint_name
 from twell_jax.config import TwELLConfig
 from twell_jax.ffn import IMPLEMENTATIONS, FFNStats, Implementation, gated_mlp, mlp
 
+def sow_if_captured(module: nnx.Module, variable_type, name: str, value) -> None:
+    """``module.sow(...)`` inside ``nnx.capture`` and a no-op outside it, on every flax 0.12.x.
+
+    flax 0.12.12 says this with ``sow(..., capture_noop=True)``; 0.12.10 (the GPU machines'
+    version) has no such argument and, outside a capture, would store the value as a new
+    attribute of the module on every call. Both versions mark a capture with ``__captures__``.
+    """
+    if hasattr(module, "__captures__"):
+        module.sow(variable_type, name, value)
+
+
 STATS_NAME = "ffn_stats"
 """The name the layers sow their ``FFNStats`` under (collection ``nnx.Intermediate``)."""
 
@@ -86,7 +97,7 @@ class _FFNBase(nnx.Module):
         ws = tuple(w[...].astype(dtype) for w in weights)
         y, stats = op(x, *ws, implementation=self.implementation, config=self.config,
                       return_stats=True)
-        self.sow(nnx.Intermediate, STATS_NAME, stats, capture_noop=True)
+        sow_if_captured(self, nnx.Intermediate, STATS_NAME, stats)
         return checkpoint_name(y, CHECKPOINT_NAME)
 
 
