@@ -16,7 +16,7 @@ for coeff in ${COEFFS:-0 0.01 0.03}; do
   mkdir -p "$out/$run" && cp "/tmp/$run"/metrics.* "/tmp/$run/config.json" "$out/$run/" 2>/dev/null
   tr '\r' '\n' < "/tmp/$run.log" | grep -v "it/s\]$" | tail -4
 done
-for impl in pallas xla; do
+for impl in ${SPEED_IMPLS-pallas xla}; do
   run="100m-${impl}-speed"
   timeout "${SPEED_SECONDS:-100}" python3 experiments/train.py "${common[@]}" --implementation "$impl" \
     --l1-coeff 0.03 --steps 60 --eval-every 0 --out-dir "/tmp/$run" > "/tmp/$run.log" 2>&1
