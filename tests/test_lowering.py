@@ -94,9 +94,11 @@ def test_sparse_down_lowers():
     assert "twell_sparse_down" in module
 
 
-@pytest.mark.parametrize("block_k,block_d", [(8, 128), (16, 64), (4, 8)])  # (4, 8): rolled
+@pytest.mark.parametrize(  # None: the default config; (4, 8): the rolled chunk loop
+    "block_k,block_d", [(None, None), (8, 128), (16, 128), (16, 64), (4, 8)])
 def test_sampled_dot_lowers(block_k, block_d):
-    config = SampledDotConfig(block_m=16, block_k=block_k, block_d=block_d)
+    config = (None if block_k is None
+              else SampledDotConfig(block_m=16, block_k=block_k, block_d=block_d))
     module = export_for_cuda(
         lambda *a: sampled_dot(*a, config=config, interpret=False),
         S((M, D), BF16), S((F, D), BF16), S((M, K), jnp.int32), S((M,), jnp.int32),
