@@ -120,17 +120,6 @@ def build_layer(cfg: Defaults, implementation: str, seed: int) -> nn.SparseGated
     return layer
 
 
-def pallas_unavailable() -> str | None:
-    """Why "pallas" cannot run here, or None. Only a missing backend module counts."""
-    try:
-        import twell_jax.pallas_backend  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "twell_jax.pallas_backend":
-            raise
-        return "twell_jax.pallas_backend does not exist yet"
-    return None
-
-
 def numpy_reference(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray,
                     w_down: np.ndarray) -> np.ndarray:
     """The gated FFN in float64 numpy."""
@@ -157,29 +146,18 @@ def _forward_fn(layer: nnx.Module):
 
 def check_and_time(cfg: Defaults, log) -> list[dict]:
     x32 = make_inputs(jax.random.key(cfg.seed + 1), cfg.tokens, cfg.d_model)
-    reason = pallas_unavailable() if "pallas" in cfg.implementations else None
-    if reason:
-        print(f"pallas: unavailable ({reason}); skipping it.")
     rows = []
     for dtype_name in cfg.dtypes:
         dtype = jnp.dtype(dtype_name)
         x = x32.astype(dtype)
         for implementation in cfg.implementations:
-            if implementation == "pallas" and reason:
-                continue
             layer = build_layer(cfg, implementation, cfg.seed)
             # The float64 reference sees exactly the rounded values the layer computes with.
             weights = [np.asarray(w[...].astype(dtype).astype(jnp.float32))
                        for w in (layer.w_gate, layer.w_up, layer.w_down)]
             ref = numpy_reference(np.asarray(x.astype(jnp.float32)), *weights)
             forward, state = _forward_fn(layer)
-            try:
-                y, stats = jax.block_until_ready(forward(state, x))  # compile + warm-up
-            except NotImplementedError as e:
-                if implementation != "pallas":
-                    raise
-                print(f"pallas: unavailable ({e}); skipping it.")
-                continue
+            y, stats = jax.block_until_ready(forward(state, x))  # compile + warm-up
             diff = np.asarray(y, np.float64) - ref
             # A second warm-up: the first Pallas call in a process registers a JAX config value
             # (pallas_fuser_disable_nested_fuse) in the tracing context, so a function traced
@@ -232,9 +210,6 @@ def print_table(rows: list[dict], cfg: Defaults) -> None:
 
 def train(cfg: Defaults, log) -> list[dict]:
     dtype = jnp.dtype(cfg.train_dtype)
-    if cfg.train_implementation == "pallas" and (reason := pallas_unavailable()):
-        print(f"pallas: unavailable ({reason}); skipping training.")
-        return []
     x = make_inputs(jax.random.key(cfg.seed + 2), cfg.tokens, cfg.d_model).astype(dtype)
     teacher = build_layer(cfg, "xla", cfg.seed + 3)
     target = teacher(x.astype(jnp.float32))

@@ -46,3 +46,15 @@ def check_config(config, power_of_two_fields: tuple[str, ...]) -> None:
     stages = getattr(config, "num_stages", 1)
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {stages!r}")
+
+
+def check_dense_tiles(h, tile_width: int, slots_per_tile: int) -> tuple[int, int]:
+    """Checks a dense [M, F] input of the packing passes; returns (M, F)."""
+    if h.ndim != 2:
+        raise ValueError(f"h must be 2-D [M, F], got shape {h.shape}")
+    m, f = h.shape
+    if not is_power_of_two(tile_width) or f % tile_width:
+        raise ValueError(f"tile_width={tile_width} must be a power of two dividing F={f}")
+    if not isinstance(slots_per_tile, int) or not 1 <= slots_per_tile <= tile_width:
+        raise ValueError(f"slots_per_tile must be in [1, {tile_width}], got {slots_per_tile!r}")
+    return m, f

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (check_config, is_power_of_two, largest_pow2_divisor,
-                                   resolve_interpret)
+from pallas_kernels.common import (check_config, check_dense_tiles, largest_pow2_divisor, resolve_interpret)
 from pallas_kernels.gate_pack import pack_reference
 
 
@@ -105,13 +104,7 @@ def pack_rows(h: jax.Array, *, tile_width: int, slots_per_tile: int,
       values [M, K] h.dtype, columns [M, K] int32, counts [M, F // T] int32 (true counts),
       row_nnz [M] int32; K = (F // T) * S.
     """
-    if h.ndim != 2:
-        raise ValueError(f"h must be 2-D [M, F], got shape {h.shape}")
-    m, f = h.shape
-    if not is_power_of_two(tile_width) or f % tile_width:
-        raise ValueError(f"tile_width={tile_width} must be a power of two dividing F={f}")
-    if not isinstance(slots_per_tile, int) or not 1 <= slots_per_tile <= tile_width:
-        raise ValueError(f"slots_per_tile must be in [1, {tile_width}], got {slots_per_tile!r}")
+    m, f = check_dense_tiles(h, tile_width, slots_per_tile)
     config = default_pack_rows_config(m, f, tile_width) if config is None else config
     if m % config.block_m:
         raise ValueError(f"M={m} is not a multiple of block_m={config.block_m}")

@@ -25,17 +25,7 @@ ALL_SPARSE = TwELLConfig(tile_width=16, slots_per_tile=16, max_row_density=1.0,
 BF16_RTOL = 2e-2
 
 
-def _pallas_available() -> bool:
-    try:
-        import twell_jax.pallas_backend  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "twell_jax.pallas_backend":
-            raise
-        return False
-    return True
-
-
-IMPLEMENTATIONS = ["xla", "reference"] + (["pallas"] if _pallas_available() else [])
+IMPLEMENTATIONS = ["xla", "reference", "pallas"]
 
 
 def rel_err(actual, expected) -> float:

@@ -13,18 +13,7 @@ import twell_jax
 from twell_jax import nn
 
 
-def _pallas_available() -> bool:
-    """True once ``twell_jax.pallas_backend`` exists; any other import error propagates."""
-    try:
-        import twell_jax.pallas_backend  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "twell_jax.pallas_backend":
-            raise
-        return False
-    return True
-
-
-SPARSE_IMPLEMENTATIONS = ["reference"] + (["pallas"] if _pallas_available() else [])
+SPARSE_IMPLEMENTATIONS = ["reference", "pallas"]
 ALL_IMPLEMENTATIONS = SPARSE_IMPLEMENTATIONS + ["xla"]
 LAYERS = {"gated": nn.SparseGatedMLP, "plain": nn.SparseMLP}
 PARAM_SHAPES = {

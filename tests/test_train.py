@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
 import sys
@@ -13,19 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "train.py"
+from tests.utils import load_experiment
 
 
 @pytest.fixture(scope="module")
 def train():
-    spec = importlib.util.spec_from_file_location("train", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    try:
-        spec.loader.exec_module(module)
+    with load_experiment("train") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,3 +103,18 @@ def dense_ffn_f32(x, *weights):
         w_up, w_down = weights
         h = jax.nn.relu(dot(x, w_up))
     return dot(h, w_down), jnp.mean(jnp.sum(jnp.abs(h), axis=-1))
+
+
+@contextlib.contextmanager
+def load_experiment(name: str):
+    """Imports ``experiments/<name>.py`` as module ``name`` for the duration of the block
+    (registered in sys.modules: dataclasses look their module up by name)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
