@@ -10,8 +10,9 @@ A backend supplies the packed products the shared algorithm in ``ffn.py`` needs:
   -> ``(y [M, D] float32 or x.dtype, up_values [M, K] float32)``.
 - ``sparse_dot(values [M, K], columns, row_nnz, w [F, D])`` -> [M, D].
 - ``sampled_dot(a [M, D], w [F, D], columns, row_nnz)`` -> [M, K] float32.
-- ``sparse_outer(values [M, K], columns, row_nnz, b [M, D], d_ff)`` -> [d_ff, D] float32:
-  the transposed products of the backward (dW).
+- ``sparse_outer(values: tuple of [M, K], columns, row_nnz, b [M, D], d_ff)`` -> tuple of
+  [d_ff, D] float32, one per values array (all share the pattern and b): the transposed
+  products of the backward (dW).
 """
 
 from __future__ import annotations

@@ -253,21 +253,23 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
         g = r.gate_values.astype(_F32)
         h = g * r.up_values if gated else g
         dh = dh + l1_ct * jnp.sign(h)  # unused entries: h = 0, sign 0
-        def outer(values, b):  # the transposed products: [F, D] = sum over entries
+        def outer(values, b):  # the transposed products, one [F, D] per values array
             return backend.sparse_outer(values, r.columns, r.row_nnz, b, f)
 
-        d_w_down = outer(h, dy)
+        (d_w_down,) = outer((h,), dy)
         if gated:
             w_gate, w_up, _ = weights
             du = dh * g
             dg = dh * r.up_values
             dx = (backend.sparse_dot(du, r.columns, r.row_nnz, w_up.T)
                   + backend.sparse_dot(dg, r.columns, r.row_nnz, w_gate.T))
-            d_weights = (outer(dg, x).T, outer(du, x).T, d_w_down)
+            d_w_gate, d_w_up = outer((dg, du), x)  # one pass over x serves both
+            d_weights = (d_w_gate.T, d_w_up.T, d_w_down)
         else:
             w_up, _ = weights
             dx = backend.sparse_dot(dh, r.columns, r.row_nnz, w_up.T)
-            d_weights = (outer(dh, x).T, d_w_down)
+            (d_w_up,) = outer((dh,), x)
+            d_weights = (d_w_up.T, d_w_down)
         init = (dx, d_weights)
 
         def run_rows(index):

@@ -152,13 +152,17 @@ def _sparse_dot(values, columns, row_nnz, w):
 
 
 def _densified_outer(values, columns, row_nnz, b, d_ff):
-    m, k = values.shape
+    m, k = columns.shape
     valid = jnp.arange(k, dtype=jnp.int32)[None, :] < row_nnz[:, None]
     dest = jnp.where(valid, columns, d_ff)  # d_ff = dropped
     rows = jnp.broadcast_to(jnp.arange(m)[:, None], dest.shape)
-    # The scattered matrix takes b's dtype (bf16 in training): the GEMM runs on tensor cores.
-    dense = jnp.zeros((m, d_ff), b.dtype).at[rows, dest].set(values.astype(b.dtype), mode="drop")
-    return jnp.dot(dense.T, b, preferred_element_type=jnp.float32)
+
+    def one(v):
+        # The scattered matrix takes b's dtype (bf16 in training): the GEMM runs on tensor cores.
+        dense = jnp.zeros((m, d_ff), b.dtype).at[rows, dest].set(v.astype(b.dtype), mode="drop")
+        return jnp.dot(dense.T, b, preferred_element_type=jnp.float32)
+
+    return tuple(one(v) for v in values)
 
 
 BACKEND = Backend(

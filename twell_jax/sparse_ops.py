@@ -39,18 +39,21 @@ def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array, w: jax
     return sparse_down_reference(values, columns, row_nnz, w, out_dtype=_F32)
 
 
-def sparse_outer(values: jax.Array, columns: jax.Array, row_nnz: jax.Array, b: jax.Array,
-                 d_ff: int) -> jax.Array:
-    """The transposed product: out[j] = sum over (m, k) with columns[m, k] = j of values[m, k] * b[m].
+def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax.Array,
+                 b: jax.Array, d_ff: int) -> tuple[jax.Array, ...]:
+    """Transposed products: out_i[j] = sum over (m, k) with columns[m, k] = j of values_i[m, k] * b[m].
 
-    values: [M, K]; columns: [M, K]; row_nnz: [M]; b: [M, D]. Returns [d_ff, D] float32
-    (e.g. dW_down = h^T @ dy with h packed).
+    values: a tuple of [M, K] arrays sharing the pattern; columns: [M, K]; row_nnz: [M];
+    b: [M, D]. Returns a tuple of [d_ff, D] float32, one per values array (e.g. dW_down =
+    h^T @ dy with h packed).
     """
     b32 = b.astype(_F32)
 
-    def body(k, out):
+    def body(k, outs):
         ok = _valid(row_nnz, k)
         dest = jnp.where(ok, columns[:, k], d_ff)  # d_ff = dropped
-        return out.at[dest].add(values[:, k].astype(_F32)[:, None] * b32, mode="drop")
+        return tuple(out.at[dest].add(v[:, k].astype(_F32)[:, None] * b32, mode="drop")
+                     for out, v in zip(outs, values))
 
-    return jax.lax.fori_loop(0, jnp.max(row_nnz), body, jnp.zeros((d_ff, b.shape[1]), _F32))
+    init = tuple(jnp.zeros((d_ff, b.shape[1]), _F32) for _ in values)
+    return jax.lax.fori_loop(0, jnp.max(row_nnz), body, init)
