@@ -492,6 +492,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
         "dead_frac": last_eval.get("dead_frac"),
         "train_ce": last.get("ce"),
         "nnz_mean": last.get("nnz_mean"),
+        "nnz_p99": last.get("nnz_p99"),
         "nnz_max": last.get("nnz_max"),
         "heavy_rows": last.get("heavy_rows"),
         "tokens_per_s": round(clock.tokens / clock.seconds, 1) if clock.seconds else None,
@@ -501,7 +502,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
     log(f"done: step {end}/{cfg.steps}; train cross-entropy {first.get('ce', float('nan')):.3f} "
         f"-> {summary['train_ce']:.3f}; held-out loss {summary['eval_loss']}")
     log(f"  nnz per token by layer: {_fmt(first.get('nnz_mean'))} -> {_fmt(summary['nnz_mean'])} "
-        f"of {model.cfg.d_ff} (max {summary['nnz_max']}); heavy rows {summary['heavy_rows']}")
+        f"of {model.cfg.d_ff} (p99 {summary['nnz_p99']}, max {summary['nnz_max']}); heavy rows {summary['heavy_rows']}")
     log(f"  dead units by layer: {summary['dead_frac']}; {summary['tokens_per_s']} tokens/s; "
         f"logs {metrics_path}, plot {plot_path}")
     return summary

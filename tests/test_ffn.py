@@ -59,6 +59,8 @@ def test_three_d_input_and_stats(implementation):
     assert_close(y.reshape(-1, D), expected, jnp.float32)
     gate = np.asarray(x, np.float64) @ np.asarray(weights[0], np.float64) > 0
     assert int(stats.nnz_max) == gate.sum(1).max()
+    rank = int(np.ceil(0.99 * M)) - 1  # nearest rank
+    assert int(stats.nnz_p99) == np.sort(gate.sum(1))[rank]
     np.testing.assert_allclose(float(stats.nnz_mean), gate.sum(1).mean(), rtol=1e-6)
     tiles = np.pad(gate, ((0, 0), (0, 224 - F))).reshape(M, 7, 32).sum(-1)
     assert int(stats.heavy_rows) == int((tiles > 4).any(1).sum())
@@ -89,6 +91,47 @@ def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
                                jax.tree_util.tree_leaves(expected)):
         assert got.dtype == dtype
         assert_close(got, want, dtype, table=GRAD_TOLERANCES, what=f"{implementation} {name}")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("pattern", ["uniform", "heavy_tailed", "zero_rows"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
+def test_gate_bias_forward_and_gradients(implementation, dtype, pattern, gated):
+    """The threshold moved from a constant input feature into the bias: y, L1 and every
+    gradient (the bias's included) against jax.vjp of the dense function with the bias."""
+    x, *weights = make_ffn_inputs(21 + hash(pattern) % 100, M, D, F, pattern, dtype, gated=gated)
+    bias = weights[0][-1]  # the threshold row (x's last feature is 1 in these patterns)
+    x = x[:, :-1]
+    weights = tuple(w[:-1] for w in weights[:-1]) + (weights[-1][:, :-1],)
+    dy = jnp.asarray(np.random.default_rng(5).standard_normal((M, D - 1)), dtype)
+    l1_coeff = 0.05
+    bias_arg = {"b_gate" if gated else "b_up": bias}
+
+    def loss(x, weights, bias):
+        y, stats = _call(gated, x, weights, implementation=implementation, config=CONFIG,
+                         return_stats=True, **{k: bias for k in bias_arg})
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)) + l1_coeff * stats.l1, y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        x, weights, bias)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    (want_y, _), vjp = jax.vjp(lambda x, w, b: dense_ffn_f32(x, *w, bias=b), f32(x),
+                               tuple(map(f32, weights)), f32(bias))
+    assert_close(y, want_y, dtype, what=f"{implementation} y")
+    expected = vjp((f32(dy), jnp.float32(l1_coeff)))
+    for i, (got, want) in enumerate(zip(jax.tree_util.tree_leaves(grads),
+                                        jax.tree_util.tree_leaves(expected))):
+        assert got.dtype == dtype
+        assert_close(got, want, dtype, table=GRAD_TOLERANCES, what=f"{implementation} grad {i}")
+
+
+def test_bad_bias_raises():
+    x, w_gate, w_up, w_down = make_ffn_inputs(0, 8, D, F, "uniform", jnp.float32)
+    with pytest.raises(ValueError, match=r"b_gate has shape \(199,\), expected \(200,\)"):
+        tj.gated_mlp(x, w_gate, w_up, w_down, b_gate=jnp.zeros(F - 1))
+    with pytest.raises(TypeError, match="b_up must be a floating-point array"):
+        tj.mlp(x, w_up, w_down, b_up=jnp.zeros(F, jnp.int32))
 
 
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS)
@@ -147,11 +190,19 @@ def test_pallas_options_compute_the_same_function(pack, up_down):
     from twell_jax import pallas_backend
 
     x, *weights = make_ffn_inputs(12, M, D, F, "heavy_tailed", jnp.bfloat16)
+    # The same function with the threshold as a gate bias instead of w_gate's last row (x's
+    # last feature is 1).
+    w_gate, w_up, w_down = weights
+    weights_nb, bias = (w_gate.at[-1].set(0), w_up, w_down), w_gate[-1]
     with pallas_backend.use_options(pallas_backend.PallasOptions(pack=pack, up_down=up_down)):
-        y, stats = jax.jit(lambda x, w: tj.gated_mlp(x, *w, implementation="pallas",
-                                                     config=CONFIG, return_stats=True))(x, weights)
+        run = jax.jit(lambda x, w, b: tj.gated_mlp(x, *w, b_gate=b, implementation="pallas",
+                                                   config=CONFIG, return_stats=True))
+        y, stats = run(x, weights, None)
+        y_bias, _ = run(x, weights_nb, bias)
     assert int(stats.heavy_rows) > 0
-    assert_close(y, ffn_float64(x, *weights)[0], jnp.bfloat16)
+    expected = ffn_float64(x, *weights)[0]
+    assert_close(y, expected, jnp.bfloat16)
+    assert_close(y_bias, expected, jnp.bfloat16, what="with b_gate")
 
 
 @pytest.mark.parametrize("m,nnz,dense", [(16384, 28, False), (16384, 60, True),

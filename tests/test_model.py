@@ -140,14 +140,24 @@ def test_implementations_agree_bf16(twell):
             assert int(metrics["heavy_rows"].min()) > 0
 
 
-def test_implementations_agree_f32_grads():
+def _set_gate_biases(model, seed):
+    """Random negative gate biases (thresholds), so the bias shapes the sparsity."""
+    for i, block in enumerate(model.blocks):
+        key = jax.random.key(seed + i)
+        block.ffn.b_gate[...] = -jnp.abs(jax.random.normal(key, block.ffn.b_gate[...].shape))
+
+
+@pytest.mark.parametrize("gate_bias", [False, True], ids=["no_bias", "gate_bias"])
+def test_implementations_agree_f32_grads(gate_bias):
     """float32 loss and gradients of the sparse paths equal the dense model's to ~1e-6 (in bf16
     the dense model's own gradients are ~5% off float32, too loose a check)."""
     x = tokens(seed=1)
     results = {}
     for impl in IMPLEMENTATIONS:
         model = model_lib.build("tiny", implementation=impl, twell=ALL_SPARSE, seed=3,
-                                dtype=jnp.float32)
+                                dtype=jnp.float32, gate_bias=gate_bias)
+        if gate_bias:
+            _set_gate_biases(model, seed=7)
         (loss, metrics), grads = loss_and_grads(model, x, 0.01)
         assert int(metrics["heavy_rows"].sum()) == 0 and int(metrics["dense_fallback"]) == 0
         results[impl] = loss, jax.tree.leaves(nnx.state(grads))
@@ -159,6 +169,28 @@ def test_implementations_agree_f32_grads():
         assert worst < 2e-5, f"{impl}: gradient relative error {worst:.3e}"
 
 
+def test_gate_bias_params_features_and_activity():
+    cfg = dataclasses.replace(TINY, gate_bias=True)
+    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
+    n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == cfg.param_count() == TINY.param_count() + TINY.n_layers * TINY.d_ff
+    assert model_lib.build("tiny").blocks[0].ffn.b_gate is None
+    _set_gate_biases(model, seed=0)
+    x = tokens((2, 17))
+    logits = forward(model, x)
+    features = nnx.jit(lambda m, t: m.features(t))(model, x)
+    assert features.shape == (2, 17, TINY.d_model)
+    expected = jnp.dot(features, model.embedding[...].astype(cfg.dtype).T,
+                       preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    # unit_activity applies the bias as the layer does: a huge bias silences a unit.
+    model.blocks[0].ffn.b_gate[...] = model.blocks[0].ffn.b_gate[...].at[:5].set(-1e4)
+    active = np.asarray(model_lib.unit_activity(model, x))
+    assert not active[0, :5].any() and active[0, 5:].any()
+    with pytest.raises(TypeError, match="gate_bias must be a bool"):
+        dataclasses.replace(TINY, gate_bias=1)
+
+
 def test_loss_and_grads_finite():
     model = model_lib.build("tiny", implementation="reference")
     (loss, m), grads = loss_and_grads(model, tokens(), 0.01)
@@ -167,9 +199,9 @@ def test_loss_and_grads_finite():
     np.testing.assert_allclose(m["l1"], np.mean(m["l1_layer"]), rtol=1e-6)
     # A fresh model's logits are about unit variance: cross-entropy near log(V) + 1/2 = 6.0.
     assert 4.5 < float(m["ce"]) < 7.5
-    for name in ("nnz_mean", "nnz_max", "heavy_rows", "l1_layer"):
+    for name in ("nnz_mean", "nnz_p99", "nnz_max", "heavy_rows", "l1_layer"):
         assert m[name].shape == (TINY.n_layers,), name
-    assert np.all(m["nnz_max"] >= m["nnz_mean"])
+    assert np.all(m["nnz_max"] >= m["nnz_p99"]) and np.all(m["nnz_max"] >= m["nnz_mean"])
     leaves = jax.tree.leaves(nnx.state(grads))
     assert leaves and all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
     assert any(np.any(np.asarray(g) != 0) for g in leaves)

@@ -106,6 +106,25 @@ def test_params_layout_and_dtypes(kind, param_dtype):
     assert not nnx.state(layer, nnx.Intermediate)  # nothing but parameters
 
 
+@pytest.mark.parametrize("kind", LAYERS)
+def test_gate_bias_is_a_param_that_thresholds_and_trains(kind):
+    layer = LAYERS[kind](12, 40, implementation="reference", rngs=nnx.Rngs(0), gate_bias=True)
+    bias = layer.b_gate if kind == "gated" else layer.b_up
+    assert isinstance(bias, nnx.Param) and bias[...].shape == (40,)
+    assert not np.any(np.asarray(bias[...]))  # zeros at init: the layer without a bias
+    plain = LAYERS[kind](12, 40, implementation="reference", rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (6, 12))
+    np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(plain(x)))
+    bias[...] = jnp.full((40,), -1e4)  # every unit below threshold
+    assert not np.any(np.asarray(layer(x)))
+    bias[...] = jnp.full((40,), -0.3)
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+    g = grads.b_gate if kind == "gated" else grads.b_up
+    assert np.all(np.isfinite(np.asarray(g[...]))) and np.any(np.asarray(g[...]) != 0)
+    with pytest.raises(TypeError, match="gate_bias must be a bool"):
+        LAYERS[kind](12, 40, rngs=nnx.Rngs(0), gate_bias="yes")
+
+
 def test_same_seed_same_params_any_implementation():
     a = nn.SparseGatedMLP(8, 16, implementation="xla", rngs=nnx.Rngs(3))
     b = nn.SparseGatedMLP(8, 16, implementation="reference", rngs=nnx.Rngs(3))

@@ -93,15 +93,17 @@ def ffn_float64(x, *weights):
     return h @ w_down, np.abs(h).sum(axis=-1).mean()
 
 
-def dense_ffn_f32(x, *weights):
-    """The dense FFN in float32 jnp at highest precision (for jax.vjp references)."""
+def dense_ffn_f32(x, *weights, bias=None):
+    """The dense FFN in float32 jnp at highest precision (for jax.vjp references); ``bias``
+    [F] is added to the gating pre-activation."""
     dot = lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST)
+    pre = dot(x, weights[0]) + (0.0 if bias is None else bias)
     if len(weights) == 3:
-        w_gate, w_up, w_down = weights
-        h = jax.nn.relu(dot(x, w_gate)) * dot(x, w_up)
+        _, w_up, w_down = weights
+        h = jax.nn.relu(pre) * dot(x, w_up)
     else:
-        w_up, w_down = weights
-        h = jax.nn.relu(dot(x, w_up))
+        _, w_down = weights
+        h = jax.nn.relu(pre)
     return dot(h, w_down), jnp.mean(jnp.sum(jnp.abs(h), axis=-1))
 
 

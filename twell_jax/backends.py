@@ -2,8 +2,9 @@
 
 A backend supplies the packed products the shared algorithm in ``ffn.py`` needs:
 
-- ``pack(x [M, D], w [D, F], config)`` -> ``(values [M, K] x.dtype, columns [M, K] int32,
-  counts [M, n_tiles] int32, row_nnz [M] int32, dense_gate)``: ``relu(x @ w)`` packed per tile
+- ``pack(x [M, D], w [D, F], bias [F] or None, config)`` -> ``(values [M, K] x.dtype, columns
+  [M, K] int32, counts [M, n_tiles] int32, row_nnz [M] int32, dense_gate)``: ``relu(x @ w +
+  bias)`` packed per tile
   and row-compacted (``format.row_compact``); ``dense_gate`` is the dense [M, F] gate in
   x.dtype when the backend computed it anyway (the dense fallback then reuses it), else None.
 - ``gated_up_down(x, w_up_t [F, D], w_down [F, D], gate_values [M, K], columns, row_nnz)``
@@ -39,8 +40,9 @@ class Backend:
     sparse_outer: Callable
 
 
-def _reference_pack(x: jax.Array, w: jax.Array, config: TwELLConfig):
-    gate = jax.nn.relu(jnp.dot(x, w, preferred_element_type=jnp.float32))
+def _reference_pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
+    pre = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    gate = jax.nn.relu(pre if bias is None else pre + bias.astype(jnp.float32))
     values, columns, counts = pack_tiles(gate, config.tile_width, config.slots_per_tile)
     values, columns, row_nnz = row_compact(values.astype(x.dtype), columns, counts,
                                            config.slots_per_tile)

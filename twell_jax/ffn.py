@@ -2,8 +2,10 @@
 
 Every implementation computes the same function (up to bf16 rounding):
 
-    gated_mlp: y = (relu(x @ w_gate) * (x @ w_up)) @ w_down
-    mlp:       y = relu(x @ w_up) @ w_down
+    gated_mlp: y = (relu(x @ w_gate + b_gate) * (x @ w_up)) @ w_down
+    mlp:       y = relu(x @ w_up + b_up) @ w_down
+
+(the biases are optional: a per-unit threshold that sets each unit's firing rate).
 
 - ``"xla"``: the dense jnp computation (the baseline); plain autodiff.
 - ``"reference"``: the TwELL algorithm in plain jnp: pack the gate per column tile, compute
@@ -36,7 +38,8 @@ _F32 = jnp.float32
 class FFNStats(NamedTuple):
     """Statistics of one FFN call (scalars).
 
-    nnz_mean: mean active units (gate > 0) per token. nnz_max: the most in one token.
+    nnz_mean: mean active units (gate > 0) per token. nnz_p99: the 99th percentile over tokens
+    (nearest rank). nnz_max: the most in one token.
     l1: mean over tokens of sum_j |h_j| (differentiable). heavy_rows: tokens with more than
     S non-zeros in some tile (computed by the dense backup). backup_overflow: more heavy rows
     than ``config.backup_rows``, so the whole batch took the exact dense path.
@@ -45,6 +48,7 @@ class FFNStats(NamedTuple):
     """
 
     nnz_mean: jax.Array
+    nnz_p99: jax.Array
     nnz_max: jax.Array
     l1: jax.Array
     heavy_rows: jax.Array
@@ -56,19 +60,25 @@ class FFNStats(NamedTuple):
 # The dense function, used by "xla", by the dense backup and by the all-dense fallback.
 
 
-def _dense_rows(x: jax.Array, weights: tuple[jax.Array, ...], gated: bool):
+def _p99(row_nnz: jax.Array) -> jax.Array:
+    """Nearest-rank 99th percentile of the per-token counts [M] (int32)."""
+    m = row_nnz.shape[0]
+    return jnp.sort(row_nnz)[max(0, -(-99 * m // 100) - 1)]
+
+
+def _pre_activation(x, w, bias):
+    """x @ w (+ bias) in float32: the gating projection before the ReLU."""
+    pre = jnp.dot(x, w, preferred_element_type=_F32)
+    return pre if bias is None else pre + bias.astype(_F32)
+
+
+def _dense_rows(x: jax.Array, weights: tuple[jax.Array, ...], bias, gated: bool):
     """Dense FFN on rows x [R, D]. Returns (y [R, D] x.dtype, l1 [R] f32, active [R, F] bool)."""
     dot = functools.partial(jnp.dot, preferred_element_type=_F32)
-    if gated:
-        w_gate, w_up, w_down = weights
-        gate = jax.nn.relu(dot(x, w_gate))
-        h = gate * dot(x, w_up)
-    else:
-        w_up, w_down = weights
-        gate = jax.nn.relu(dot(x, w_up))
-        h = gate
+    gate = jax.nn.relu(_pre_activation(x, weights[0], bias))
+    h = gate * dot(x, weights[1]) if gated else gate
     h = h.astype(x.dtype)  # as the dense bf16 path does: the down GEMM runs on x.dtype
-    y = dot(h, w_down).astype(x.dtype)
+    y = dot(h, weights[-1]).astype(x.dtype)
     return y, jnp.sum(jnp.abs(h.astype(_F32)), axis=1), gate > 0
 
 
@@ -80,8 +90,8 @@ def _dense_from_gate(x, gate, weights, gated):
     return dot(h, weights[-1]).astype(x.dtype), jnp.sum(jnp.abs(h.astype(_F32)), axis=1)
 
 
-def _dense_with_stats(x, weights, gated, config):
-    y, l1_rows, active = _dense_rows(x, weights, gated)
+def _dense_with_stats(x, weights, bias, gated, config):
+    y, l1_rows, active = _dense_rows(x, weights, bias, gated)
     f = active.shape[1]
     n_tiles = config.num_tiles(f)
     padded = jnp.pad(active, ((0, 0), (0, n_tiles * config.tile_width - f)))
@@ -89,6 +99,7 @@ def _dense_with_stats(x, weights, gated, config):
     nnz = active.sum(axis=1, dtype=jnp.int32)
     stats = FFNStats(
         nnz_mean=jnp.mean(nnz.astype(_F32)),
+        nnz_p99=_p99(nnz),
         nnz_max=jnp.max(nnz),
         l1=jnp.mean(l1_rows),
         heavy_rows=heavy_rows(counts, config, f).sum(dtype=jnp.int32),
@@ -163,6 +174,7 @@ def _sparse_never_pays(m: int, d: int, f: int, dtype, config: TwELLConfig) -> bo
 class _Residuals(NamedTuple):
     x: jax.Array
     weights: tuple[jax.Array, ...]
+    bias: jax.Array | None  # [F] of the gating projection
     gate_values: jax.Array  # [M, K] packed gate (gated) or hidden (non-gated) values
     up_values: jax.Array  # [M, K] f32 up projection at the packed entries ([M, 0] if non-gated)
     columns: jax.Array  # [M, K] int32
@@ -172,11 +184,11 @@ class _Residuals(NamedTuple):
     dense: jax.Array  # [] bool: the whole batch took the dense path
 
 
-def _twell_forward(x, weights, gated, implementation, config):
+def _twell_forward(x, weights, bias, gated, implementation, config):
     backend = backends.get(implementation)
     m = x.shape[0]
     f = weights[0].shape[1]
-    gate_values, columns, counts, row_nnz, dense_gate = backend.pack(x, weights[0], config)
+    gate_values, columns, counts, row_nnz, dense_gate = backend.pack(x, weights[0], bias, config)
     heavy = heavy_rows(counts, config, f)
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
@@ -202,7 +214,7 @@ def _twell_forward(x, weights, gated, implementation, config):
 
         def run_rows(index):
             rows = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
-            y_rows, l1_rows, _ = _dense_rows(rows, weights, gated)
+            y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
             return (y.astype(x.dtype).at[index].set(y_rows, mode="drop"),
                     l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)))
 
@@ -211,7 +223,7 @@ def _twell_forward(x, weights, gated, implementation, config):
 
     def dense_branch():
         if dense_gate is None:
-            y, l1_rows, _ = _dense_rows(x, weights, gated)
+            y, l1_rows, _ = _dense_rows(x, weights, bias, gated)
         else:  # the backend already paid for the gate GEMM: reuse its output
             y, l1_rows = _dense_from_gate(x, dense_gate, weights, gated)
         up_shape = (m, gate_values.shape[1] if gated else 0)
@@ -220,13 +232,14 @@ def _twell_forward(x, weights, gated, implementation, config):
     y, l1_sum, up_values = jax.lax.cond(dense, dense_branch, sparse_branch)
     stats = FFNStats(
         nnz_mean=jnp.mean(row_nnz_all.astype(_F32)),
+        nnz_p99=_p99(row_nnz_all),
         nnz_max=jnp.max(row_nnz_all),
         l1=l1_sum / m,
         heavy_rows=num_heavy,
         backup_overflow=overflow,
         dense_fallback=dense,
     )
-    residuals = _Residuals(x, weights, gate_values, up_values, columns, row_nnz, heavy,
+    residuals = _Residuals(x, weights, bias, gate_values, up_values, columns, row_nnz, heavy,
                            num_heavy, dense)
     return (y, stats), residuals
 
@@ -235,18 +248,27 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     dy, stats_ct = cotangents
     r = residuals
     backend = backends.get(implementation)
-    x, weights = r.x, r.weights
+    x, weights, bias = r.x, r.weights, r.bias
     m = x.shape[0]
     f = weights[0].shape[1]
     l1_ct = stats_ct.l1.astype(_F32) / m  # d(l1)/dh = sign(h) / M
 
     def dense_vjp(rows_x, rows_dy, rows_l1_ct):
-        def fn(xx, ww):
-            y, l1_rows, _ = _dense_rows(xx, ww, gated)
+        """(dx, d_weights, d_bias or None) of the dense function on some rows."""
+        def fn(xx, ww, bb):
+            y, l1_rows, _ = _dense_rows(xx, ww, bb, gated)
             return y, l1_rows
 
-        _, vjp = jax.vjp(fn, rows_x, weights)
+        _, vjp = jax.vjp(fn, rows_x, weights, bias)
         return vjp((rows_dy, rows_l1_ct))
+
+    def bias_grad(d_pre):
+        """d bias [F] f32: the pre-activation gradients [M, K] summed per column."""
+        if bias is None:
+            return None
+        valid = jnp.arange(r.columns.shape[1])[None, :] < r.row_nnz[:, None]
+        dest = jnp.where(valid, r.columns, f)  # f = dropped
+        return jnp.zeros((f,), _F32).at[dest].add(jnp.where(valid, d_pre, 0.0), mode="drop")
 
     def sparse_branch():
         dh = backend.sampled_dot(dy, weights[-1], r.columns, r.row_nnz)
@@ -265,34 +287,40 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
                   + backend.sparse_dot(dg, r.columns, r.row_nnz, w_gate.T))
             d_w_gate, d_w_up = outer((dg, du), x)  # one pass over x serves both
             d_weights = (d_w_gate.T, d_w_up.T, d_w_down)
+            d_bias = bias_grad(dg)
         else:
             w_up, _ = weights
             dx = backend.sparse_dot(dh, r.columns, r.row_nnz, w_up.T)
             (d_w_up,) = outer((dh,), x)
             d_weights = (d_w_up.T, d_w_down)
-        init = (dx, d_weights)
+            d_bias = bias_grad(dh)
+        init = (dx, d_weights, d_bias)
 
         def run_rows(index):
             valid = index < m
             rows_x = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
             rows_dy = jnp.take(dy, index, axis=0, mode="fill", fill_value=0)
-            rows_dx, rows_dw = dense_vjp(rows_x, rows_dy, jnp.where(valid, l1_ct, 0.0))
+            rows_dx, rows_dw, rows_db = dense_vjp(rows_x, rows_dy, jnp.where(valid, l1_ct, 0.0))
             dx_out = dx.at[index].add(rows_dx.astype(_F32), mode="drop")
-            return dx_out, tuple(a + b.astype(_F32) for a, b in zip(d_weights, rows_dw))
+            db_out = None if bias is None else d_bias + rows_db.astype(_F32)
+            return (dx_out, tuple(a + b.astype(_F32) for a, b in zip(d_weights, rows_dw)),
+                    db_out)
 
         return _run_backup(r.heavy, r.num_heavy, _backup_sizes(m, config), run_rows, init)
 
     def dense_branch():
-        dx, dw = dense_vjp(x, dy, jnp.full((m,), l1_ct))
-        return dx.astype(_F32), tuple(w.astype(_F32) for w in dw)
+        dx, dw, db = dense_vjp(x, dy, jnp.full((m,), l1_ct))
+        return (dx.astype(_F32), tuple(w.astype(_F32) for w in dw),
+                None if bias is None else db.astype(_F32))
 
-    dx, d_weights = jax.lax.cond(r.dense, dense_branch, sparse_branch)
-    return dx.astype(x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, weights))
+    dx, d_weights, d_bias = jax.lax.cond(r.dense, dense_branch, sparse_branch)
+    return (dx.astype(x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, weights)),
+            None if bias is None else d_bias.astype(bias.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _twell_ffn(x, weights, gated, implementation, config):
-    return _twell_forward(x, weights, gated, implementation, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _twell_ffn(x, weights, bias, gated, implementation, config):
+    return _twell_forward(x, weights, bias, gated, implementation, config)[0]
 
 
 _twell_ffn.defvjp(_twell_forward, _twell_backward)
@@ -302,7 +330,7 @@ _twell_ffn.defvjp(_twell_forward, _twell_backward)
 # Public entry points.
 
 
-def _check_inputs(x, weights, names, gated, implementation, config):
+def _check_inputs(x, weights, names, bias, bias_name, implementation, config):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if config is not None and not isinstance(config, TwELLConfig):
@@ -328,40 +356,50 @@ def _check_inputs(x, weights, names, gated, implementation, config):
         raise ValueError(f"{names[-1]} has shape {w_down.shape}, expected ({d_ff}, {d_model})")
     if d_ff == 0 or d_model == 0:
         raise ValueError(f"d_model and d_ff must be positive, got {d_model} and {d_ff}")
+    if bias is not None:
+        if not hasattr(bias, "dtype") or not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"{bias_name} must be a floating-point array, got "
+                            f"{getattr(bias, 'dtype', type(bias).__name__)}")
+        if bias.shape != (d_ff,):
+            raise ValueError(f"{bias_name} has shape {bias.shape}, expected ({d_ff},)")
 
 
-def _ffn(x, weights, names, gated, implementation, config, return_stats):
-    _check_inputs(x, weights, names, gated, implementation, config)
+def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, return_stats):
+    _check_inputs(x, weights, names, bias, bias_name, implementation, config)
     config = DEFAULT_CONFIG if config is None else config
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     # One compute dtype: weights are cast to x.dtype (gradients flow back through the cast).
     weights = tuple(w.astype(x.dtype) for w in weights)
+    bias = None if bias is None else bias.astype(x.dtype)
     if x2.shape[0] == 0:
         y = jnp.zeros(x.shape, x.dtype)
         zero = jnp.zeros((), _F32)
-        stats = FFNStats(zero, jnp.zeros((), jnp.int32), zero, jnp.zeros((), jnp.int32),
-                         jnp.asarray(False), jnp.asarray(False))
+        zero_int = jnp.zeros((), jnp.int32)
+        stats = FFNStats(zero, zero_int, zero_int, zero, zero_int, jnp.asarray(False),
+                         jnp.asarray(False))
     elif implementation == "xla":
-        y, stats = _dense_with_stats(x2, weights, gated, config)
+        y, stats = _dense_with_stats(x2, weights, bias, gated, config)
     elif implementation == "pallas" and _sparse_never_pays(
             x2.shape[0], x2.shape[1], weights[0].shape[1], x.dtype, config):
-        y, stats = _dense_with_stats(x2, weights, gated, config)
+        y, stats = _dense_with_stats(x2, weights, bias, gated, config)
         stats = stats._replace(dense_fallback=jnp.asarray(True))
     else:
-        y, stats = _twell_ffn(x2, weights, gated, implementation, config)
+        y, stats = _twell_ffn(x2, weights, bias, gated, implementation, config)
     y = y.reshape(*lead, x.shape[-1])
     return (y, stats) if return_stats else y
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-              implementation: Implementation = "pallas", config: TwELLConfig | None = None,
-              return_stats: bool = False):
-    """ReLU-gated FFN ``(relu(x @ w_gate) * (x @ w_up)) @ w_down`` with TwELL sparsity.
+              b_gate: jax.Array | None = None, implementation: Implementation = "pallas",
+              config: TwELLConfig | None = None, return_stats: bool = False):
+    """ReLU-gated FFN ``(relu(x @ w_gate + b_gate) * (x @ w_up)) @ w_down`` with TwELL sparsity.
 
     Args:
       x: [..., D] activations (bf16 or float32; the compute and output dtype).
       w_gate, w_up: [D, F]. w_down: [F, D]. Cast to x.dtype.
+      b_gate: optional [F] gate bias (cast to x.dtype, added in float32): a negative bias
+        is a per-unit threshold that makes the unit fire less often.
       implementation: "pallas" (Pallas kernels; interpret mode without a GPU), "reference"
         (the TwELL algorithm in plain jnp) or "xla" (dense).
       config: the TwELL format's knobs (``TwELLConfig()`` when None).
@@ -369,16 +407,17 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     Returns:
       y [..., D] in x.dtype, or ``(y, stats)``. Differentiable in x and every weight.
     """
-    return _ffn(x, (w_gate, w_up, w_down), ("w_gate", "w_up", "w_down"), True,
+    return _ffn(x, (w_gate, w_up, w_down), ("w_gate", "w_up", "w_down"), b_gate, "b_gate", True,
                 implementation, config, return_stats)
 
 
-def mlp(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+def mlp(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *, b_up: jax.Array | None = None,
         implementation: Implementation = "pallas", config: TwELLConfig | None = None,
         return_stats: bool = False):
-    """Non-gated ReLU FFN ``relu(x @ w_up) @ w_down`` with TwELL sparsity.
+    """Non-gated ReLU FFN ``relu(x @ w_up + b_up) @ w_down`` with TwELL sparsity.
 
-    Args and returns as ``gated_mlp``: x [..., D], w_up [D, F], w_down [F, D].
+    Args and returns as ``gated_mlp``: x [..., D], w_up [D, F], w_down [F, D], optional
+    b_up [F].
     """
-    return _ffn(x, (w_up, w_down), ("w_up", "w_down"), False, implementation, config,
-                return_stats)
+    return _ffn(x, (w_up, w_down), ("w_up", "w_down"), b_up, "b_up", False, implementation,
+                config, return_stats)

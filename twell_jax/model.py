@@ -2,7 +2,8 @@
 
 Architecture: token embedding (tied with the output projection), ``n_layers`` pre-norm blocks of
 RMSNorm -> causal multi-head attention with rotary embeddings -> residual, RMSNorm -> ReLU-gated
-FFN -> residual, then a final RMSNorm and ``logits = h @ embedding.T`` in float32. No biases.
+FFN -> residual, then a final RMSNorm and ``logits = h @ embedding.T`` in float32. No biases,
+except an optional per-unit gate bias in each FFN (``ModelConfig.gate_bias``).
 
 Dtypes: parameters in ``param_dtype`` (float32, the optimizer's master copy); activations, the
 residual stream and every matmul in ``dtype`` (bf16 by default) with float32 accumulation; norms,
@@ -73,6 +74,8 @@ class ModelConfig:
       dtype: compute dtype of activations and matmuls.
       param_dtype: storage dtype of the parameters.
       remat: recompute each block in the backward pass, keeping only the FFN outputs.
+      gate_bias: each FFN has a learnable per-unit gate bias ``b_gate`` [F] (zeros at init);
+        benchmarks set it to calibrate the sparsity of an untrained model.
     """
 
     vocab_size: int
@@ -87,6 +90,7 @@ class ModelConfig:
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     remat: bool = False
+    gate_bias: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "max_seq_len"):
@@ -113,8 +117,9 @@ class ModelConfig:
                 ok = False
             if not ok:
                 raise ValueError(f"{name} must be a floating-point dtype, got {dtype!r}")
-        if not isinstance(self.remat, bool):
-            raise TypeError(f"remat must be a bool, got {self.remat!r}")
+        for name in ("remat", "gate_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -124,6 +129,7 @@ class ModelConfig:
         """Parameters, counting the tied embedding once."""
         d, f = self.d_model, self.d_ff
         per_layer = 4 * d * d + 3 * d * f + 2 * d  # q, k, v, o; gate, up, down; two norms
+        per_layer += f if self.gate_bias else 0
         return self.vocab_size * d + self.n_layers * per_layer + d
 
 
@@ -228,7 +234,7 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, **kw)
         self.ffn = nn.SparseGatedMLP(cfg.d_model, cfg.d_ff, implementation=cfg.implementation,
-                                     config=cfg.twell, rngs=rngs, **kw)
+                                     config=cfg.twell, rngs=rngs, gate_bias=cfg.gate_bias, **kw)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -258,6 +264,15 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int -> logits [B, T, V] float32."""
+        x = self.features(tokens)
+        embedding = self.embedding[...].astype(self.cfg.dtype)
+        return jnp.dot(x, embedding.T, preferred_element_type=_F32)
+
+    def features(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int -> the final-normed hidden states [B, T, D] (compute dtype), the
+        input of the tied output projection. Prefill needs only the last position's logits:
+        ``model.features(tokens)[:, -1] @ embedding.T`` avoids the [B, T, V] logits."""
         cfg = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, time], got {tokens.shape}")
@@ -273,8 +288,7 @@ class Transformer(nnx.Module):
         run = _run_block_remat if cfg.remat else _run_block
         for block in self.blocks:
             x = run(block, x, cos, sin)
-        x = self.final_norm(x)
-        return jnp.dot(x, embedding.astype(cfg.dtype).T, preferred_element_type=_F32)
+        return self.final_norm(x)
 
 
 def build(cfg: ModelConfig | str, *, seed: int = 0, **overrides) -> Transformer:
@@ -310,7 +324,8 @@ def loss_fn(model: Transformer, tokens: jax.Array, l1_coeff) -> tuple[jax.Array,
     Returns:
       (loss, metrics): metrics holds scalars ``loss``, ``ce``, ``l1`` (the penalty before the
       coefficient), ``backup_overflow`` / ``dense_fallback`` (layers where it happened), and
-      per-layer [n_layers] arrays ``nnz_mean``, ``nnz_max``, ``heavy_rows``, ``l1_layer``.
+      per-layer [n_layers] arrays ``nnz_mean``, ``nnz_p99``, ``nnz_max``, ``heavy_rows``,
+      ``l1_layer``.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits, intermediates = nnx.capture(model, nnx.Intermediate)(inputs)
@@ -325,6 +340,7 @@ def loss_fn(model: Transformer, tokens: jax.Array, l1_coeff) -> tuple[jax.Array,
         "l1": l1,
         "l1_layer": stack("l1", _F32),
         "nnz_mean": stack("nnz_mean", _F32),
+        "nnz_p99": stack("nnz_p99", jnp.int32),
         "nnz_max": stack("nnz_max", jnp.int32),
         "heavy_rows": stack("heavy_rows", jnp.int32),
         "backup_overflow": stack("backup_overflow", jnp.int32).sum(),
@@ -351,5 +367,7 @@ def unit_activity(model: Transformer, tokens: jax.Array) -> jax.Array:
     for block, h in zip(model.blocks, inputs):
         h = h.reshape(-1, cfg.d_model).astype(cfg.dtype)
         gate = jnp.dot(h, block.ffn.w_gate[...].astype(cfg.dtype), preferred_element_type=_F32)
+        if block.ffn.b_gate is not None:
+            gate = gate + block.ffn.b_gate[...].astype(cfg.dtype).astype(_F32)
         rows.append(jnp.any(gate > 0, axis=0))
     return jnp.stack(rows)

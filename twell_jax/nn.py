@@ -90,13 +90,19 @@ class _FFNBase(nnx.Module):
     def _param(self, init, rngs: nnx.Rngs, shape: tuple[int, int]) -> nnx.Param:
         return nnx.Param(init(rngs.params(), shape, self.param_dtype))
 
-    def _run(self, op, x: jax.Array, weights: tuple[nnx.Param, ...]) -> jax.Array:
+    def _bias(self, enabled: bool, d_ff: int) -> nnx.Param | None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"gate_bias must be a bool, got {enabled!r}")
+        return nnx.Param(jnp.zeros((d_ff,), self.param_dtype)) if enabled else None
+
+    def _run(self, op, x: jax.Array, weights: tuple[nnx.Param, ...], **bias) -> jax.Array:
         x = jnp.asarray(x)
         dtype = x.dtype if self.dtype is None else self.dtype
         x = x.astype(dtype)
         ws = tuple(w[...].astype(dtype) for w in weights)
+        bias = {k: None if b is None else b[...] for k, b in bias.items()}
         y, stats = op(x, *ws, implementation=self.implementation, config=self.config,
-                      return_stats=True)
+                      return_stats=True, **bias)
         sow_if_captured(self, nnx.Intermediate, STATS_NAME, stats)
         return checkpoint_name(y, CHECKPOINT_NAME)
 
@@ -105,7 +111,7 @@ class SparseGatedMLP(_FFNBase):
     """ReLU-gated FFN ``y = (relu(x @ w_gate) * (x @ w_up)) @ w_down`` on TwELL sparsity.
 
     Parameters (``nnx.Param``, ``param_dtype``): ``w_gate`` [D, F], ``w_up`` [D, F],
-    ``w_down`` [F, D]; no biases (a bias on the gate would be a dense shift of every unit).
+    ``w_down`` [F, D]; with ``gate_bias`` also ``b_gate`` [F] (zeros), else ``b_gate`` is None.
 
     Args:
       d_model: D, the input and output width.
@@ -118,40 +124,48 @@ class SparseGatedMLP(_FFNBase):
       param_dtype: storage dtype of the parameters (default float32).
       kernel_init: initializer ``(key, shape, dtype) -> array`` for all three weights; default
         truncated normal with variance 1 / fan_in.
+      gate_bias: add a learnable per-unit bias to the gate pre-activation (a negative bias is
+        a threshold: it lowers the unit's firing rate). Default False.
     """
 
     def __init__(self, d_model: int, d_ff: int, *, implementation: Implementation = "pallas",
                  config: TwELLConfig | None = None, rngs: nnx.Rngs, dtype=None,
-                 param_dtype=jnp.float32, kernel_init=default_kernel_init):
+                 param_dtype=jnp.float32, kernel_init=default_kernel_init,
+                 gate_bias: bool = False):
         super().__init__(d_model, d_ff, implementation=implementation, config=config,
                          dtype=dtype, param_dtype=param_dtype)
         self.w_gate = self._param(kernel_init, rngs, (d_model, d_ff))
         self.w_up = self._param(kernel_init, rngs, (d_model, d_ff))
         self.w_down = self._param(kernel_init, rngs, (d_ff, d_model))
+        self.b_gate = self._bias(gate_bias, d_ff)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., D] -> y [..., D] in the compute dtype; sows ``FFNStats`` as ``"ffn_stats"``."""
-        return self._run(gated_mlp, x, (self.w_gate, self.w_up, self.w_down))
+        return self._run(gated_mlp, x, (self.w_gate, self.w_up, self.w_down),
+                         b_gate=self.b_gate)
 
 
 class SparseMLP(_FFNBase):
     """Non-gated ReLU FFN ``y = relu(x @ w_up) @ w_down`` on TwELL sparsity.
 
-    Parameters (``nnx.Param``, ``param_dtype``): ``w_up`` [D, F], ``w_down`` [F, D].
+    Parameters (``nnx.Param``, ``param_dtype``): ``w_up`` [D, F], ``w_down`` [F, D]; with
+    ``gate_bias`` also ``b_up`` [F] (the bias inside the ReLU), else ``b_up`` is None.
     Arguments as ``SparseGatedMLP``; calls ``twell_jax.mlp``.
     """
 
     def __init__(self, d_model: int, d_ff: int, *, implementation: Implementation = "pallas",
                  config: TwELLConfig | None = None, rngs: nnx.Rngs, dtype=None,
-                 param_dtype=jnp.float32, kernel_init=default_kernel_init):
+                 param_dtype=jnp.float32, kernel_init=default_kernel_init,
+                 gate_bias: bool = False):
         super().__init__(d_model, d_ff, implementation=implementation, config=config,
                          dtype=dtype, param_dtype=param_dtype)
         self.w_up = self._param(kernel_init, rngs, (d_model, d_ff))
         self.w_down = self._param(kernel_init, rngs, (d_ff, d_model))
+        self.b_up = self._bias(gate_bias, d_ff)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., D] -> y [..., D] in the compute dtype; sows ``FFNStats`` as ``"ffn_stats"``."""
-        return self._run(mlp, x, (self.w_up, self.w_down))
+        return self._run(mlp, x, (self.w_up, self.w_down), b_up=self.b_up)
 
 
 def sown_stats(intermediates: nnx.State) -> list[FFNStats]:
