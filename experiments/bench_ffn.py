@@ -7,6 +7,12 @@ On a laptop CPU (interpret mode, tiny shapes, about a minute):
 On the H100 (the numbers in BENCHMARKS.md):
 
     python experiments/bench_ffn.py --suite paper --out runs/bench_ffn.jsonl
+    python experiments/bench_ffn.py --suite training --backward   # forward + backward
+
+With ``--backward`` each case times forward + backward instead (all four gradients against a
+random cotangent, dense XLA and each ``PallasOptions.outer`` kernel for the transposed dW
+products), checks every gradient against a float32 HIGHEST-precision dense reference, and
+reports the bytes each path saves for the backward (``saved_residuals``; inputs excluded).
 
 For each case (shape x sparsity pattern) it checks both paths against float64 (numpy, on a sample
 of rows, heavy rows included) before timing, then times the jitted forwards: median over
@@ -53,6 +59,7 @@ class BenchArgs:
     min_batch_ms: float = 2.0  # calls per batch chosen so one batch lasts at least this long
     check_rows: int = 512  # rows checked against float64
     variants: bool = True  # also time kernel variants (block sizes, prefix sums, schedules)
+    backward: bool = False  # time forward + backward (training) instead of the forward
     out: str = "runs/bench_ffn.jsonl"  # JSON lines, appended
 
 
@@ -62,6 +69,7 @@ HELP = {
     "min_batch_ms": "each timed batch repeats the call until it lasts at least this long",
     "check_rows": "rows compared against the float64 reference before timing",
     "variants": "also time kernel variants (block sizes, prefix sums, schedules)",
+    "backward": "time forward + backward (all four gradients) instead of the forward alone",
     "out": "JSON-lines file the measurements are appended to",
 }
 
@@ -96,6 +104,7 @@ SUITES = {
     "smoke": ["smoke_uniform", "smoke_heavy"],
     "paper": ["m16k_uniform28", "m16k_heavy", "m16k_uniform2pct", "decode_m1", "decode_m8",
               "decode_m64", "wide_m16k_uniform", "m128k_uniform28"],
+    "training": ["m16k_uniform28", "m16k_heavy"],
 }
 
 
@@ -343,6 +352,93 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     return results
 
 
+def residual_bytes(fn: Callable, *args) -> dict:
+    """Bytes ``fn``'s VJP keeps for the backward: all, and those that are not inputs.
+
+    Uses ``jax._src.ad_checkpoint.saved_residuals`` (what ``jax.ad_checkpoint.
+    print_saved_residuals`` prints); the largest non-input residuals are listed by shape.
+    """
+    from jax._src.ad_checkpoint import saved_residuals
+
+    saved = saved_residuals(fn, *args)
+    nbytes = lambda aval: int(np.prod(aval.shape)) * jnp.dtype(aval.dtype).itemsize
+    own = [(aval, why) for aval, why in saved if not why.startswith("from the argument")]
+    own.sort(key=lambda r: -nbytes(r[0]))
+    return {"residual_bytes_all": sum(nbytes(a) for a, _ in saved),
+            "residual_bytes": sum(nbytes(a) for a, _ in own),
+            "largest_residuals": [f"{a.dtype}{list(a.shape)}" for a, _ in own[:6]]}
+
+
+def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
+                      emit: Callable) -> list[dict]:
+    """Forward + backward of the FFN (all four gradients, random cotangent, L1 term on)."""
+    x, w_gate, w_up, w_down = make_case_inputs(case)
+    stats, _ = sparsity_stats(x, w_gate, config)
+    emit({"case": case.name, "kind": "sparsity", **stats})
+    dy = jax.random.normal(jax.random.PRNGKey(7), x.shape, jnp.float32).astype(x.dtype)
+    inputs = (x, w_gate, w_up, w_down)
+    l1_coeff = 1e-4
+    f32 = lambda a: a.astype(jnp.float32)
+
+    @jax.jit
+    def reference_grads(x, wg, wu, wd):  # float32, highest precision: the yardstick
+        def loss(*a):
+            dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
+            h = jax.nn.relu(dot(a[0], a[1])) * dot(a[0], a[2])
+            return jnp.sum(dot(h, a[3]) * f32(dy)) + l1_coeff * jnp.mean(jnp.sum(jnp.abs(h), -1))
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(*map(f32, (x, wg, wu, wd)))
+
+    want = reference_grads(*inputs)
+    names = ("dx", "dw_gate", "dw_up", "dw_down")
+    timing = dict(runs=args.runs, min_batch_ms=args.min_batch_ms)
+    results = []
+
+    def loss_of(implementation, cfg):
+        def loss(x, wg, wu, wd):
+            y, st = tj.gated_mlp(x, wg, wu, wd, implementation=implementation, config=cfg,
+                                 return_stats=True)
+            return jnp.sum(f32(y) * f32(dy)) + l1_coeff * st.l1
+        return loss
+
+    def measure(label, implementation, cfg=config, outer=None):
+        row = {"case": case.name, "kind": "time_fwd_bwd", "label": label}
+        try:
+            options = pb.OPTIONS if outer is None else dataclasses.replace(pb.OPTIONS,
+                                                                             outer=outer)
+            with pb.use_options(options):
+                loss = loss_of(implementation, cfg)
+                step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+                got = step(*inputs)
+                # The FFN's own residuals (the loss's product with dy saves dy: not the FFN's).
+                row.update(residual_bytes(functools.partial(
+                    tj.gated_mlp, implementation=implementation, config=cfg), *inputs))
+            for name, g, w in zip(names, got, want):
+                g = np.asarray(f32(g), np.float64)
+                w = np.asarray(w, np.float64)
+                row[f"rel_err_{name}"] = float(np.linalg.norm(g - w) / np.linalg.norm(w)) \
+                    if np.all(np.isfinite(g)) else float("nan")
+            row.update(time_ms(step, *inputs, **timing))
+            if results and "median_ms" in results[0]:
+                row["speedup_vs_xla"] = results[0]["median_ms"] / row["median_ms"]
+                row["residuals_vs_xla"] = row["residual_bytes"] / max(
+                    results[0]["residual_bytes"], 1)
+        except Exception as e:  # a failing variant is reported, never hidden
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        emit(row)
+        results.append(row)
+        return row
+
+    measure("xla dense FFN fwd+bwd", "xla")
+    measure("pallas TwELL FFN fwd+bwd", "pallas")
+    for outer in ("sorted", "atomic", "densified"):
+        measure(f"pallas TwELL FFN fwd+bwd [outer {outer}]", "pallas", outer=outer)
+    measure("pallas TwELL FFN fwd+bwd, sparse forced", "pallas",
+            cfg=dataclasses.replace(config, dense_fallback_density=1.0))
+    if case.m <= 4096:  # the jnp reference is slow at training sizes: small cases only
+        measure("reference (jnp) TwELL FFN fwd+bwd", "reference")
+    return results
+
+
 def pallas_relu_matmul(x, w, *, block_m, block_n, block_k, num_warps, num_stages, group_m=8):
     """Diagnostic only: relu(x @ w) as a plain Pallas-Triton GEMM with gate_pack's launch order
     and tile shapes, to separate the GEMM's own rate from the packing epilogue's cost."""
@@ -410,7 +506,8 @@ def main(argv=None) -> list[dict]:
         emit(header)
         for i, name in enumerate(names):
             print(f"[{i + 1}/{len(names)}] {name}", flush=True)
-            rows += run_case(CASES[name], args, config, emit)
+            run = run_backward_case if args.backward else run_case
+            rows += run(CASES[name], args, config, emit)
     print_table(rows)
     return rows
 
@@ -420,9 +517,12 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         ms = f"{r['median_ms']:.3f}" if "median_ms" in r else "ERROR"
         ratio = f"{r['speedup_vs_xla']:.2f}x" if "speedup_vs_xla" in r else ""
-        err = f"{r['rel_err']:.2e}" if "rel_err" in r else ""
+        errs = [v for k, v in r.items() if k.startswith("rel_err")]
+        err = f"{max(errs):.2e}" if errs else ""
         extra = f" gemm-rate {r['fraction_of_xla_gemm_rate']:.2f}" \
             if "fraction_of_xla_gemm_rate" in r else ""
+        if "residual_bytes" in r:
+            extra += f" residuals {r['residual_bytes'] / 2**20:.1f} MiB"
         print(f"{r['case']:<20} {r['label'][:66]:<66} {ms:>9} {ratio:>7} {err:>9}{extra}"
               + (f"  {r['error'][:80]}" if "error" in r else ""))
 

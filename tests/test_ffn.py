@@ -239,12 +239,17 @@ def test_nan_propagates_like_dense():
 def test_residuals_hold_no_dense_hidden():
     """The backward keeps packed activations only: no saved array has F columns."""
     x, *weights = make_ffn_inputs(2, M, D, F, "heavy_tailed", jnp.float32)
-    _, residuals = ffn._twell_forward(x, tuple(weights), True, "reference", CONFIG)
+    _, residuals = ffn._twell_forward(x, tuple(weights), None, True, "reference", CONFIG)
     for name, value in residuals._asdict().items():
-        if name in ("x", "weights"):
+        if name in ("x", "weights", "bias"):  # the inputs
             continue
         assert F not in np.shape(value), f"{name} has shape {np.shape(value)}"
     assert residuals.gate_values.shape == (M, CONFIG.row_slots(F))
+    # With a row cap, the lists keep only the slots a light row can fill.
+    capped = dataclasses.replace(CONFIG, max_row_density=0.05)
+    _, residuals = ffn._twell_forward(x, tuple(weights), None, True, "reference", capped)
+    assert residuals.gate_values.shape == residuals.columns.shape == (M, capped.max_row_nnz(F))
+    assert residuals.up_values.shape == (M, capped.max_row_nnz(F))
 
 
 def test_empty_batch():

@@ -192,9 +192,12 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     heavy = heavy_rows(counts, config, f)
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
-    # Heavy rows are the backup's: the sparse products skip them entirely.
+    # Heavy rows are the backup's: the sparse products skip them entirely. A light row holds
+    # at most max_row_nnz entries, so the lists (and the residuals) keep only that many slots.
+    light_slots = min(gate_values.shape[1], config.max_row_nnz(f))
     row_nnz = jnp.where(heavy, 0, row_nnz)
-    gate_values = jnp.where(heavy[:, None], 0, gate_values)
+    gate_values = jnp.where(heavy[:, None], 0, gate_values[:, :light_slots])
+    columns = columns[:, :light_slots]
     sizes = _backup_sizes(m, config)
     overflow = num_heavy > (sizes[-1] if sizes else 0)
     dense = overflow
