@@ -300,20 +300,42 @@ def train_step(model, optimizer, tokens, l1_coeff):
 @nnx.jit
 def eval_step(model, tokens):
     _, metrics = model_lib.loss_fn(model, tokens, 0.0)
-    return metrics["ce"], model_lib.unit_activity(model, tokens[:, :-1])
+    return (metrics["ce"], *model_lib.activity_and_token_nnz(model, tokens[:, :-1]))
+
+
+def nnz_distribution(histograms: np.ndarray) -> dict:
+    """Per-layer summary of per-token active-unit counts from histograms [n_layers, F + 1]
+    (histograms[l, n] = tokens with n active units in layer l), trimmed at the largest count."""
+    layers = []
+    for hist in histograms:
+        counts = np.arange(len(hist))
+        cdf = np.cumsum(hist) / hist.sum()
+        quantile = lambda q: int(np.searchsorted(cdf, q))  # nearest rank
+        top = int(np.nonzero(hist)[0].max())
+        layers.append({"mean": round(float((hist * counts).sum() / hist.sum()), 3),
+                       "p50": quantile(0.5), "p90": quantile(0.9), "p99": quantile(0.99),
+                       "max": top, "histogram": hist[: top + 1].astype(int).tolist()})
+    return {"tokens": int(histograms[0].sum()), "layers": layers}
 
 
 def evaluate(model, corpus: Corpus, cfg: TrainConfig) -> dict:
-    """Held-out cross-entropy over ``eval_batches`` fixed batches, and the dead-unit fraction
-    per layer (units never active over those batches' tokens)."""
-    ces, active = [], None
+    """Held-out cross-entropy over ``eval_batches`` fixed batches, the dead-unit fraction per
+    layer (units never active over those batches' tokens) and the per-token distribution of
+    active units per layer (``nnz_distribution``)."""
+    ces, active, histograms = [], None, 0
     for i in range(cfg.eval_batches):
         batch = sample_batch(corpus.heldout, cfg.batch_size, cfg.seq_len, cfg.seed, i, EVAL_STREAM)
-        ce, act = eval_step(model, jnp.asarray(batch))
+        ce, act, nnz = eval_step(model, jnp.asarray(batch))
         ces.append(float(ce))
         active = act if active is None else active | act
+        d_ff = act.shape[1]
+        histograms = histograms + np.stack(
+            [np.bincount(row, minlength=d_ff + 1) for row in np.asarray(nnz)])
     dead = 1.0 - np.asarray(active, np.float64).mean(axis=-1)
-    return {"eval_loss": float(np.mean(ces)), "dead_frac": [round(float(d), 5) for d in dead]}
+    distribution = nnz_distribution(histograms)
+    return {"eval_loss": float(np.mean(ces)), "dead_frac": [round(float(d), 5) for d in dead],
+            "eval_nnz_p99": [layer["p99"] for layer in distribution["layers"]],
+            "nnz_distribution": distribution}
 
 
 # ------------------------------------------------------------------------------------------
@@ -473,6 +495,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
             clock.stop()
         if at_eval:
             last_eval = evaluate(model, corpus, cfg)
+            distribution = last_eval.pop("nnz_distribution")
+            (run_dir / "nnz_distribution.json").write_text(json.dumps(
+                {"step": done, "d_ff": model.cfg.d_ff, "source": "held-out batches",
+                 **distribution}) + "\n")
             append({"step": done, **last_eval})
             write_plot(records, plot_path, cfg.run_name)
             if not quiet:

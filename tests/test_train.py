@@ -191,6 +191,16 @@ def test_main_smoke(train, text_dir, tmp_path, capsys):
                 "grad_norm"):
         assert key in steps[-1], key
     assert len(steps[-1]["nnz_mean"]) == 2 and len(evals[-1]["dead_frac"]) == 2
+    assert "nnz_p99" in steps[-1] and len(evals[-1]["eval_nnz_p99"]) == 2
+    # The per-token distribution of the last evaluation: histograms over every held-out token.
+    dist = json.loads((out / "nnz_distribution.json").read_text())
+    assert dist["step"] == 4 and dist["d_ff"] == 256 and len(dist["layers"]) == 2
+    for layer, p99 in zip(dist["layers"], evals[-1]["eval_nnz_p99"]):
+        hist = np.asarray(layer["histogram"])
+        assert hist.sum() == dist["tokens"] > 0 and len(hist) == layer["max"] + 1
+        assert layer["p50"] <= layer["p90"] <= layer["p99"] == p99 <= layer["max"]
+        mean = (hist * np.arange(len(hist))).sum() / hist.sum()
+        assert layer["mean"] == pytest.approx(mean, abs=1e-3)
     assert (out / "metrics.png").stat().st_size > 1000
     assert json.loads((out / "config.json").read_text())["steps"] == 4
     assert sorted(int(p.name) for p in (out / "ckpt").iterdir() if p.name.isdigit()) == [2, 4]

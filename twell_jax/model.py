@@ -349,6 +349,24 @@ def loss_fn(model: Transformer, tokens: jax.Array, l1_coeff) -> tuple[jax.Array,
     return loss, metrics
 
 
+def _gates(model: Transformer, tokens: jax.Array) -> list[jax.Array]:
+    """Each layer's gate pre-activation ``x @ w_gate (+ b_gate)`` [B * T, F] float32 on its
+    captured FFN input, computed as the layer does (compute dtype, float32 accumulation)."""
+    _, captured = nnx.capture(model, FFNInput)(tokens)
+    inputs = [leaf for leaf in jax.tree.leaves(captured)]
+    cfg = model.cfg
+    if len(inputs) != cfg.n_layers:
+        raise ValueError(f"captured {len(inputs)} FFN inputs for {cfg.n_layers} layers")
+    gates = []
+    for block, h in zip(model.blocks, inputs):
+        h = h.reshape(-1, cfg.d_model).astype(cfg.dtype)
+        gate = jnp.dot(h, block.ffn.w_gate[...].astype(cfg.dtype), preferred_element_type=_F32)
+        if block.ffn.b_gate is not None:
+            gate = gate + block.ffn.b_gate[...].astype(cfg.dtype).astype(_F32)
+        gates.append(gate)
+    return gates
+
+
 def unit_activity(model: Transformer, tokens: jax.Array) -> jax.Array:
     """[n_layers, d_ff] bool: FFN unit j of layer l was active (gate > 0) for some token.
 
@@ -358,16 +376,17 @@ def unit_activity(model: Transformer, tokens: jax.Array) -> jax.Array:
     ``1 - activity.mean(-1)`` is the dead fraction per layer. Costs one forward pass plus one
     gate GEMM per layer; meant for evaluation, not every training step.
     """
-    _, captured = nnx.capture(model, FFNInput)(tokens)
-    inputs = [leaf for leaf in jax.tree.leaves(captured)]
-    cfg = model.cfg
-    if len(inputs) != cfg.n_layers:
-        raise ValueError(f"captured {len(inputs)} FFN inputs for {cfg.n_layers} layers")
-    rows = []
-    for block, h in zip(model.blocks, inputs):
-        h = h.reshape(-1, cfg.d_model).astype(cfg.dtype)
-        gate = jnp.dot(h, block.ffn.w_gate[...].astype(cfg.dtype), preferred_element_type=_F32)
-        if block.ffn.b_gate is not None:
-            gate = gate + block.ffn.b_gate[...].astype(cfg.dtype).astype(_F32)
-        rows.append(jnp.any(gate > 0, axis=0))
-    return jnp.stack(rows)
+    return jnp.stack([jnp.any(g > 0, axis=0) for g in _gates(model, tokens)])
+
+
+def token_nnz(model: Transformer, tokens: jax.Array) -> jax.Array:
+    """[n_layers, B * T] int32: active FFN units of each token in each layer (the per-token
+    distribution behind ``FFNStats``' mean / p99 / max). Same cost as ``unit_activity``."""
+    return jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in _gates(model, tokens)])
+
+
+def activity_and_token_nnz(model: Transformer, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(unit_activity, token_nnz)`` from one pass (one gate GEMM per layer)."""
+    gates = _gates(model, tokens)
+    return (jnp.stack([jnp.any(g > 0, axis=0) for g in gates]),
+            jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in gates]))
