@@ -13,7 +13,8 @@ for coeff in ${COEFFS:-0 0.01 0.03}; do
     --implementation xla --l1-coeff "$coeff" --steps "${STEPS:-2000}" --out-dir "/tmp/$run" \
     > "/tmp/$run.log" 2>&1
   echo "$run: exit $?"
-  mkdir -p "$out/$run" && cp "/tmp/$run"/metrics.* "/tmp/$run/config.json" "$out/$run/" 2>/dev/null
+  mkdir -p "$out/$run" && cp "/tmp/$run"/metrics.* "/tmp/$run"/config.json "/tmp/$run"/nnz_distribution.json \
+    "$out/$run/" 2>/dev/null
   tr '\r' '\n' < "/tmp/$run.log" | grep -v "it/s\]$" | tail -4
 done
 for impl in ${SPEED_IMPLS-pallas xla}; do
