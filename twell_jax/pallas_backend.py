@@ -96,18 +96,22 @@ def _pad(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.pad(a, [(0, n - s) for s, n in zip(a.shape, shape)])
 
 
-def _pack(x: jax.Array, w: jax.Array, config: TwELLConfig):
+def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
     m, d = x.shape
     f = w.shape[1]
     m_pad, d_pad = _padded_rows(m), _padded_features(d)
     f_pad = config.num_tiles(f) * config.tile_width
     tiles = dict(tile_width=config.tile_width, slots_per_tile=config.slots_per_tile)
     if OPTIONS.pack == "two_stage":
-        gate = jax.nn.relu(jnp.dot(_pad(x, (m_pad, d)), _pad(w, (d, f_pad)),
-                                   preferred_element_type=jnp.float32)).astype(x.dtype)
+        pre = jnp.dot(_pad(x, (m_pad, d)), _pad(w, (d, f_pad)), preferred_element_type=jnp.float32)
+        if bias is not None:  # padded columns get bias 0: never active
+            pre = pre + _pad(bias.astype(jnp.float32), (f_pad,))
+        gate = jax.nn.relu(pre).astype(x.dtype)
         values, columns, counts, row_nnz = pack_rows(gate, **tiles)
         return values[:m], columns[:m], counts[:m], row_nnz[:m], gate[:m, :f]
-    values, columns, counts = gate_pack(_pad(x, (m_pad, d_pad)), _pad(w, (d_pad, f_pad)), **tiles)
+    bias = None if bias is None else _pad(bias.astype(jnp.float32), (f_pad,))
+    values, columns, counts = gate_pack(_pad(x, (m_pad, d_pad)), _pad(w, (d_pad, f_pad)), bias,
+                                        **tiles)
     values, columns, row_nnz = row_compact(values[:m], columns[:m], counts[:m],
                                            config.slots_per_tile)
     return values, columns, counts[:m], row_nnz, None
