@@ -1,0 +1,526 @@
+"""End-to-end benchmark: the sparse model ("pallas") against the same model dense ("xla").
+
+On the H100 (the numbers in BENCHMARKS.md; about 4 minutes per preset):
+
+    python experiments/bench_model.py --presets 0.5b,1.5b --out runs/bench_model.jsonl
+
+On a CPU (interpret mode, a tiny model, about a minute):
+
+    python experiments/bench_model.py --presets tiny --prefill 2x32 --train-batch 2x32 \\
+        --decode 1,4 --runs 2
+
+Sparsity without a trained checkpoint of these sizes: each FFN gets a per-unit gate bias
+(``ModelConfig.gate_bias``) calibrated on one batch of random tokens, layer by layer (layer l's
+bias changes layer l + 1's input), so that unit j fires on a fraction p_j of the tokens:
+``b_j = -quantile(x @ w_gate[:, j], 1 - p_j)``. ``--pattern uniform``: p_j = target / F for all
+units. ``--pattern heavy``: Zipf-like p_j (a few units fire often), the same mean. The
+calibrated statistics (mean / p99 / max active units per token, heavy rows) are reported.
+
+Per preset, one subprocess calibrates and saves the biases, then one subprocess per
+implementation measures (each its own process, so ``memory_stats()``' peak is its own):
+prefill (last-position logits of B x T tokens), decode-sized forwards (n sequences of one token,
+no KV cache: the FFN and projections of a decode step, not its attention over a cache), a
+training step (loss with the L1 term, backward, AdamW; remat by default), the FFN and attention
+sublayers alone (for the time breakdown), peak device memory and energy per token (board power
+from NVML sampled every few ms during the timed loop, integrated; the driver's energy counter as
+a cross-check). Median over ``--runs`` synchronised repetitions after two warm-up calls.
+One JSON line per measurement goes to ``--out``; a table of xla / pallas ratios is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import twell_jax as tj
+from twell_jax import model as model_lib
+
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def _flag(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    presets: str = _flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
+    target_nnz: float = _flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
+    pattern: str = _flag("uniform", "per-unit firing rates: uniform or heavy (Zipf-like)")
+    prefill: str = _flag("8x2048,64x2048", "prefill shapes BxT, comma separated")
+    train_batch: str = _flag("8x2048", "training micro-batch BxT ('' to skip training)")
+    decode: str = _flag("1,8,64", "decode-sized forwards: sequences of one token")
+    runs: int = _flag(10, "timed repetitions per measurement (median reported)")
+    remat: bool = _flag(True, "recompute blocks in the backward (ModelConfig.remat)")
+    l1_coeff: float = _flag(1e-4, "L1 coefficient in the training loss")
+    seed: int = _flag(0, "seed of the weights and the token batches")
+    time_budget: float = _flag(0.0, "seconds; later presets are skipped and reported (0: none)")
+    out: str = _flag("runs/bench_model.jsonl", "JSON-lines file the measurements are appended to")
+    plot: str = _flag("", "PNG of the pallas / xla ratios ('' for none)")
+
+
+def parse_shapes(text: str, what: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in filter(None, text.split(",")):
+        try:
+            b, t = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"{what}: expected BxT like 8x2048, got {item!r}") from None
+        if b <= 0 or t <= 0:
+            raise ValueError(f"{what}: sizes must be positive, got {item!r}")
+        shapes.append((b, t))
+    return shapes
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for field in dataclasses.fields(BenchConfig):
+        if field.type == "bool":
+            parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name,
+                                default=field.default, action=argparse.BooleanOptionalAction,
+                                help=field.metadata["help"])
+        else:
+            kind = {"int": int, "float": float}.get(field.type, str)
+            parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind,
+                                default=field.default, help=field.metadata["help"])
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
+    args = parser.parse_args(argv)
+    worker = args.worker
+    del args.worker
+    cfg = BenchConfig(**vars(args))
+    try:
+        for name in filter(None, cfg.presets.split(",")):
+            if name not in model_lib.CONFIGS:
+                raise ValueError(f"unknown preset {name!r}; have {sorted(model_lib.CONFIGS)}")
+        if cfg.pattern not in ("uniform", "heavy"):
+            raise ValueError(f"--pattern must be uniform or heavy, got {cfg.pattern!r}")
+        parse_shapes(cfg.prefill, "--prefill")
+        parse_shapes(cfg.train_batch, "--train-batch")
+        if any(int(n) <= 0 for n in filter(None, cfg.decode.split(","))):
+            raise ValueError("--decode sizes must be positive")
+        if cfg.runs < 1 or cfg.target_nnz <= 0:
+            raise ValueError("--runs and --target-nnz must be positive")
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg, worker
+
+
+# ------------------------------------------------------------------------------------------
+# Calibration: per-unit gate biases that set each unit's firing rate.
+
+
+def firing_rates(d_ff: int, mean_nnz: float, pattern: str) -> np.ndarray:
+    """[F] probabilities p_j with sum p_j = mean_nnz (active units per token on average)."""
+    if pattern == "uniform":
+        return np.full(d_ff, mean_nnz / d_ff)
+    rank = np.random.default_rng(1).permutation(d_ff) + 1.0
+    weights = rank ** -0.8  # Zipf-like: the busiest unit fires ~1000x as often as the median
+    p = weights / weights.sum() * mean_nnz
+    for _ in range(50):  # cap at 0.5 and hand the excess to the others, keeping the sum
+        over = p > 0.5
+        if not over.any():
+            break
+        excess = (p[over] - 0.5).sum()
+        p[over] = 0.5
+        p[~over] += excess * p[~over] / p[~over].sum()
+    return p
+
+
+def calibrate(model: model_lib.Transformer, tokens: jax.Array, mean_nnz: float,
+              pattern: str, log: Callable) -> list[np.ndarray]:
+    """Sets every layer's ``b_gate`` so unit j fires on ~p_j of ``tokens``; returns them."""
+    gates = nnx.jit(model_lib._gates)
+    q = jnp.asarray(1.0 - firing_rates(model.cfg.d_ff, mean_nnz, pattern), jnp.float32)
+    biases = []
+    for layer, block in enumerate(model.blocks):
+        g = gates(model, tokens)[layer]  # this layer's input reflects the biases set so far
+        bias = -np.asarray(_per_unit_quantile(g, q))
+        block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
+        biases.append(bias)
+        log(f"  calibrated layer {layer + 1}/{model.cfg.n_layers}")
+    return biases
+
+
+@jax.jit
+def _per_unit_quantile(g: jax.Array, q: jax.Array) -> jax.Array:
+    """[F]: the q_j-quantile of column j of g [N, F] (nearest rank)."""
+    n = g.shape[0]
+    index = jnp.clip(jnp.round(q * (n - 1)).astype(jnp.int32), 0, n - 1)
+    return jnp.take_along_axis(jnp.sort(g, axis=0), index[None, :], axis=0)[0]
+
+
+# ------------------------------------------------------------------------------------------
+# Measuring: time, memory, energy.
+
+
+class PowerSampler:
+    """Board power from NVML (ctypes; no package needed) sampled in a thread, integrated."""
+
+    def __init__(self, period_s: float = 0.005):
+        self.period_s = period_s
+        self.error = None
+        try:
+            self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            self._check(self.nvml.nvmlInit_v2())
+            self.handle = ctypes.c_void_p()
+            self._check(self.nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle)))
+        except Exception as e:  # no NVIDIA driver (CPU runs): energy is reported as null
+            self.nvml, self.error = None, f"NVML unavailable: {e}"
+
+    @staticmethod
+    def _check(status: int) -> None:
+        if status != 0:
+            raise RuntimeError(f"NVML error {status}")
+
+    def power_w(self) -> float:
+        mw = ctypes.c_uint()
+        self._check(self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(mw)))
+        return mw.value / 1e3
+
+    def energy_mj(self) -> int:
+        mj = ctypes.c_ulonglong()
+        self._check(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(mj)))
+        return mj.value
+
+    def measure(self, fn: Callable[[], None]) -> dict:
+        """Runs fn while sampling; returns joules (trapezoid over the samples), mean watts and
+        the energy counter's difference."""
+        if self.nvml is None:
+            fn()
+            return {"energy_j": None, "energy_note": self.error}
+        samples, stop = [], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                samples.append((time.perf_counter(), self.power_w()))
+                time.sleep(self.period_s)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        counter0 = self.energy_mj()
+        thread.start()
+        fn()
+        stop.set()
+        thread.join()
+        counter1 = self.energy_mj()
+        t, w = np.asarray(samples).T if len(samples) > 1 else (np.zeros(2), np.zeros(2))
+        joules = float(np.sum((w[1:] + w[:-1]) / 2 * np.diff(t)))
+        return {"energy_j": joules, "mean_power_w": float(np.mean(w)),
+                "power_samples": len(samples), "energy_counter_j": (counter1 - counter0) / 1e3}
+
+
+def time_call(fn: Callable, runs: int, sampler: PowerSampler | None = None) -> dict:
+    """Median ms of ``fn()`` (synchronised) over ``runs`` after two warm-up calls; with a
+    sampler, the energy of the whole timed loop."""
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    samples = []
+
+    def loop():
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            samples.append((time.perf_counter() - t0) * 1e3)
+
+    if sampler is None:
+        loop()
+        energy = {}
+    else:
+        energy = sampler.measure(loop)
+    samples = np.asarray(samples)
+    return {"median_ms": float(np.median(samples)), "p10_ms": float(np.percentile(samples, 10)),
+            "p90_ms": float(np.percentile(samples, 90)), "runs": runs, **energy}
+
+
+def peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else int(stats.get("peak_bytes_in_use", 0))
+
+
+def compiled_bytes(jitted, *args) -> int | None:
+    """Static estimate from XLA: temporaries + arguments + outputs of the compiled function."""
+    try:
+        m = jitted.lower(*args).compile().memory_analysis()
+        return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes)
+    except Exception:
+        return None
+
+
+# ------------------------------------------------------------------------------------------
+# The worker: one process per (preset, implementation) or for the calibration.
+
+
+def build_model(preset: str, implementation: str, cfg: BenchConfig):
+    return model_lib.build(preset, implementation=implementation, gate_bias=True,
+                           remat=cfg.remat, seed=cfg.seed)
+
+
+def random_tokens(shape, vocab: int, seed: int) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab, jnp.int32)
+
+
+def calibration_tokens(mcfg, cfg: BenchConfig) -> jax.Array:
+    b, t = (parse_shapes(cfg.train_batch, "") or parse_shapes(cfg.prefill, ""))[0]
+    return random_tokens((b, min(t, mcfg.max_seq_len)), mcfg.vocab_size, cfg.seed + 1)
+
+
+def layer_statistics(model, tokens) -> dict:
+    """Per-layer FFN statistics of one forward pass (what the layers sow)."""
+    @nnx.jit
+    def run(model, tokens):
+        _, inter = nnx.capture(model, nnx.Intermediate)(tokens)
+        stats = model_lib.layer_stats(inter, model.cfg.n_layers)
+        return {name: jnp.stack([jnp.asarray(getattr(s, name)) for s in stats])
+                for name in ("nnz_mean", "nnz_p99", "nnz_max", "heavy_rows", "dense_fallback")}
+
+    out = jax.device_get(run(model, tokens))
+    return {k: np.asarray(v).tolist() for k, v in out.items()}
+
+
+def worker_calibrate(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
+    model = build_model(spec["preset"], "xla", cfg)
+    mcfg = model.cfg
+    tokens = calibration_tokens(mcfg, cfg)
+    target = cfg.target_nnz * mcfg.d_ff / 5632
+    t0 = time.perf_counter()
+    biases = calibrate(model, tokens, target, cfg.pattern, lambda m: print(m, flush=True))
+    np.save(spec["bias_file"], np.stack(biases))
+    stats = layer_statistics(model, tokens)
+    emit({"kind": "calibration", "preset": spec["preset"], "pattern": cfg.pattern,
+          "target_nnz": target, "tokens": int(tokens.size), "seconds": time.perf_counter() - t0,
+          **stats})
+
+
+def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
+    preset, impl = spec["preset"], spec["implementation"]
+    model = build_model(preset, impl, cfg)
+    mcfg = model.cfg
+    for block, bias in zip(model.blocks, np.load(spec["bias_file"])):
+        block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
+    sampler = PowerSampler()
+    base = {"preset": preset, "implementation": impl, "pattern": cfg.pattern}
+
+    def record(mode, shape, tokens_per_call, timing, **extra):
+        row = {"kind": "time", **base, "mode": mode, "shape": shape, **timing, **extra}
+        row["tokens_per_s"] = tokens_per_call / (timing["median_ms"] / 1e3)
+        if timing.get("energy_j") is not None:
+            row["mj_per_token"] = timing["energy_j"] * 1e3 / (tokens_per_call * timing["runs"])
+        emit(row)
+
+    @nnx.jit
+    def prefill(model, tokens):  # the last position's logits: what generation needs
+        h = model.features(tokens)[:, -1]
+        return jnp.dot(h, model.embedding[...].astype(h.dtype).T,
+                       preferred_element_type=jnp.float32)
+
+    for b, t in parse_shapes(cfg.prefill, ""):
+        tokens = random_tokens((b, t), mcfg.vocab_size, cfg.seed + 2)
+        stats = layer_statistics(model, tokens)
+        record("prefill", [b, t], b * t, time_call(lambda: prefill(model, tokens), cfg.runs,
+                                                    sampler),
+               compiled_bytes=compiled_bytes(prefill, model, tokens), **stats)
+    for n in (int(v) for v in filter(None, cfg.decode.split(","))):
+        tokens = random_tokens((n, 1), mcfg.vocab_size, cfg.seed + 3)
+        record("decode", [n, 1], n, time_call(lambda: prefill(model, tokens), cfg.runs))
+    emit({"kind": "memory", **base, "phase": "inference", "peak_bytes": peak_bytes()})
+
+    for b, t in parse_shapes(cfg.train_batch, ""):
+        tokens = random_tokens((b, t + 1), mcfg.vocab_size, cfg.seed + 4)
+        breakdown(model, tokens[:, :-1], cfg, emit, base)
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
+
+        @nnx.jit
+        def train_step(model, optimizer, tokens):
+            grad_fn = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)
+            (loss, _), grads = grad_fn(model, tokens, cfg.l1_coeff)
+            optimizer.update(model, grads)
+            return loss
+
+        loss = float(train_step(model, optimizer, tokens))
+        record("train", [b, t], b * t, time_call(lambda: train_step(model, optimizer, tokens),
+                                                  cfg.runs, sampler),
+               loss=loss, remat=cfg.remat,
+               compiled_bytes=compiled_bytes(train_step, model, optimizer, tokens))
+        emit({"kind": "memory", **base, "phase": "training", "peak_bytes": peak_bytes()})
+
+
+def breakdown(model, tokens, cfg: BenchConfig, emit: Callable, base: dict) -> None:
+    """Times one layer's FFN and attention sublayers alone on layer 0's real inputs, forward
+    and forward + backward, so the step time can be split into FFN / attention / the rest."""
+    block = model.blocks[0]
+    ffn_in = nnx.jit(lambda m, t: jax.tree.leaves(
+        nnx.capture(m, model_lib.FFNInput)(t)[1])[0])(model, tokens)
+    x = nnx.jit(lambda m, t: (jnp.take(m.embedding[...], t, axis=0)
+                              * math.sqrt(m.cfg.d_model)).astype(m.cfg.dtype))(model, tokens)
+    cos, sin = (jnp.asarray(a) for a in model_lib.rope_tables(
+        model.cfg.max_seq_len, model.cfg.head_dim, model.cfg.rope_theta))
+    parts = {"ffn": (block.ffn, lambda m, v: m(v), ffn_in),
+             "attention": (block, lambda m, v: m.attn(m.attn_norm(v), cos, sin), x)}
+    for name, (module, fn, value) in parts.items():
+        fwd = nnx.jit(fn)
+        fwd_bwd = nnx.jit(nnx.grad(lambda m, v: jnp.sum(fn(m, v).astype(jnp.float32)),
+                                   argnums=(0, 1)))
+        for label, f in (("forward", fwd), ("forward+backward", fwd_bwd)):
+            timing = time_call(lambda: f(module, value), cfg.runs)
+            emit({"kind": "breakdown", **base, "part": name, "pass": label,
+                  "tokens": int(tokens.size), "per_layer_ms": timing["median_ms"],
+                  "all_layers_ms": timing["median_ms"] * model.cfg.n_layers})
+
+
+# ------------------------------------------------------------------------------------------
+# The driver.
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("TWELL_COMMIT", "unknown")
+
+
+def run_worker(spec: dict, argv: Sequence[str], log) -> list[dict]:
+    """Runs one worker subprocess; returns its result rows (an error row if it failed)."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", json.dumps(spec)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rows, tail = [], []
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            rows.append(json.loads(line[len("RESULT "):]))
+            log(json.dumps(rows[-1]))
+        else:
+            tail = (tail + [line.rstrip()])[-20:]
+            if line.startswith("  calibrated"):
+                log(line.rstrip())
+    if proc.wait() != 0:
+        rows.append({"kind": "error", **spec, "returncode": proc.returncode,
+                     "output_tail": "\n".join(tail)})
+        log(f"worker failed ({proc.returncode}):\n" + "\n".join(tail))
+    log(f"[{time.perf_counter() - t0:.0f} s] {spec['task']} {spec['preset']} "
+        f"{spec.get('implementation', '')}")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg, worker = parse_args(argv)
+    if worker is not None:
+        spec = json.loads(worker)
+        emit = lambda row: print("RESULT " + json.dumps(row), flush=True)
+        {"calibrate": worker_calibrate, "measure": worker_measure}[spec["task"]](spec, cfg, emit)
+        return []
+    start = time.perf_counter()
+    header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "commit": _commit(), "command": " ".join(["bench_model.py", *argv]),
+              "config": dataclasses.asdict(cfg)}
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    rows = [header]
+    with open(cfg.out, "a") as out, tempfile.TemporaryDirectory() as tmp:
+        def log(text):
+            print(text, flush=True)
+
+        out.write(json.dumps(header) + "\n")
+        for preset in filter(None, cfg.presets.split(",")):
+            spent = time.perf_counter() - start
+            if cfg.time_budget and spent > cfg.time_budget:
+                row = {"kind": "skipped", "preset": preset,
+                       "reason": f"time budget {cfg.time_budget:.0f} s spent ({spent:.0f} s)"}
+                log(json.dumps(row))
+                out.write(json.dumps(row) + "\n")
+                rows.append(row)
+                continue
+            bias_file = os.path.join(tmp, f"{preset}_bias.npy")
+            specs = [{"task": "calibrate", "preset": preset, "bias_file": bias_file}]
+            specs += [{"task": "measure", "preset": preset, "implementation": impl,
+                       "bias_file": bias_file} for impl in IMPLEMENTATIONS]
+            for spec in specs:
+                new = run_worker(spec, argv, log)
+                for row in new:
+                    out.write(json.dumps({**row, "commit": header["commit"]}) + "\n")
+                out.flush()
+                rows += new
+                if spec["task"] == "calibrate" and any(r["kind"] == "error" for r in new):
+                    break
+    table = ratio_table(rows)
+    print_table(table)
+    if cfg.plot:
+        write_plot(table, cfg.plot)
+    return rows
+
+
+def ratio_table(rows: list[dict]) -> list[dict]:
+    """One row per (preset, metric): xla, pallas and pallas / xla (tokens/s, mJ per token,
+    peak bytes)."""
+    by_key: dict = {}
+    for r in rows:
+        if r["kind"] == "time":
+            metrics = {f"{r['mode']} {'x'.join(map(str, r['shape']))} tokens/s": r["tokens_per_s"]}
+            if r.get("mj_per_token") is not None:
+                metrics[f"{r['mode']} {'x'.join(map(str, r['shape']))} mJ/token"] = \
+                    r["mj_per_token"]
+        elif r["kind"] == "memory":
+            metrics = {f"peak memory ({r['phase']}) GiB":
+                       None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30}
+        elif r["kind"] == "breakdown":
+            metrics = {f"{r['part']} {r['pass']} ms (all layers)": r["all_layers_ms"]}
+        else:
+            continue
+        for name, value in metrics.items():
+            by_key.setdefault((r["preset"], name), {})[r["implementation"]] = value
+    table = []
+    for (preset, name), values in by_key.items():
+        xla, pallas = values.get("xla"), values.get("pallas")
+        ratio = pallas / xla if xla and pallas is not None else None
+        table.append({"preset": preset, "metric": name, "xla": xla, "pallas": pallas,
+                      "ratio": ratio})
+    return table
+
+
+def print_table(table: list[dict]) -> None:
+    fmt = lambda v: "-" if v is None else (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3f}")
+    print(f"\n{'preset':<7} {'metric':<44} {'xla':>12} {'pallas':>12} {'pallas/xla':>10}")
+    for r in table:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        print(f"{r['preset']:<7} {r['metric']:<44} {fmt(r['xla']):>12} {fmt(r['pallas']):>12} "
+              f"{ratio:>10}")
+
+
+def write_plot(table: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in table if r["ratio"] is not None and "(all layers)" not in r["metric"]]
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
+    labels = [f"{r['preset']} {r['metric']}" for r in rows]
+    ax.barh(labels, [r["ratio"] for r in rows], color="tab:blue")
+    ax.axvline(1.0, color="black", lw=1)
+    ax.set_xlabel("pallas / xla (tokens/s: higher is better; mJ, GiB, ms: lower is better)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""experiments/bench_model.py on the CPU: calibration, every measurement, the ratio table."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tests.utils import load_experiment
+
+
+@pytest.fixture(scope="module")
+def bench():
+    with load_experiment("bench_model") as module:
+        yield module
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "heavy"])
+def test_firing_rates_keep_the_mean(bench, pattern):
+    p = bench.firing_rates(5632, 28.0, pattern)
+    assert p.shape == (5632,) and np.all(p > 0) and np.all(p <= 0.5)
+    assert p.sum() == pytest.approx(28.0, rel=1e-6)
+    if pattern == "heavy":
+        assert p.max() > 50 * np.median(p)
+
+
+def test_calibration_hits_the_target(bench):
+    cfg = bench.BenchConfig(presets="tiny", train_batch="8x64", target_nnz=28.0 * 8)
+    model = bench.build_model("tiny", "xla", cfg)
+    tokens = bench.calibration_tokens(model.cfg, cfg)
+    target = cfg.target_nnz * model.cfg.d_ff / 5632  # 10.2 of 256 units
+    bench.calibrate(model, tokens, target, "uniform", lambda _: None)
+    stats = bench.layer_statistics(model, tokens)
+    assert all(0.7 * target < n < 1.3 * target for n in stats["nnz_mean"]), stats["nnz_mean"]
+
+
+def test_end_to_end_on_tiny(bench, tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    rows = bench.main(["--presets", "tiny", "--prefill", "2x32", "--train-batch", "2x32",
+                       "--decode", "2", "--runs", "1", "--out", str(out),
+                       "--plot", str(tmp_path / "ratios.png")])
+    assert not [r for r in rows if r["kind"] == "error"], rows
+    saved = [json.loads(line) for line in out.read_text().splitlines()]
+    assert saved[0]["kind"] == "header" and len(saved) == len(rows)
+    times = [r for r in rows if r["kind"] == "time"]
+    modes = {(r["implementation"], r["mode"]) for r in times}
+    assert modes == {(i, m) for i in ("xla", "pallas") for m in ("prefill", "decode", "train")}
+    assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in times)
+    assert all(math.isfinite(r["loss"]) for r in times if r["mode"] == "train")
+    prefill = [r for r in times if r["mode"] == "prefill"]
+    assert all(len(r["nnz_mean"]) == 2 for r in prefill)  # per-layer statistics
+    parts = {(r["part"], r["pass"]) for r in rows if r["kind"] == "breakdown"}
+    assert len(parts) == 4
+    assert (tmp_path / "ratios.png").stat().st_size > 1000
+    assert "pallas/xla" in capsys.readouterr().out
+
+
+def test_bad_flags_exit(bench):
+    for flags in (["--presets", "nope"], ["--prefill", "8by2048"], ["--pattern", "zipf"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(flags)
