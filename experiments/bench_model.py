@@ -50,7 +50,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-import twell_jax as tj
 from twell_jax import model as model_lib
 
 IMPLEMENTATIONS = ("xla", "pallas")
