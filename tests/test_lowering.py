@@ -27,6 +27,7 @@ from pallas_kernels.pack_rows import pack_rows
 from pallas_kernels.pack_tiles import pack_tiles
 from pallas_kernels.sampled_dot import SampledDotConfig, sampled_dot
 from pallas_kernels.sparse_down import sparse_down
+from pallas_kernels.sparse_outer import sparse_outer
 
 M, D, F, K = 256, 256, 512, 32
 BF16 = jnp.bfloat16
@@ -120,3 +121,13 @@ def test_pack_rows_lowers():
         S((M, F), BF16),
     )
     assert "twell_pack_rows" in module
+
+
+@pytest.mark.parametrize("n_values", [1, 2])
+def test_sparse_outer_lowers(n_values):
+    def fn(columns, row_nnz, b, *values):
+        return sparse_outer(values, columns, row_nnz, b, F, interpret=False)
+
+    module = export_for_cuda(fn, S((M, K), jnp.int32), S((M,), jnp.int32), S((M, D), BF16),
+                             *[S((M, K), jnp.float32)] * n_values)
+    assert "twell_sparse_outer" in module

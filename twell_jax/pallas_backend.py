@@ -7,10 +7,10 @@ kernels run in interpret mode (``pallas_kernels.common.resolve_interpret``).
 
 How each stage runs is chosen by ``PallasOptions`` (defaults from the H100 measurements in
 BENCHMARKS.md; ``use_options`` switches them for benchmarks). The backward's sampled product
-(dh) and dx products run on the ``sampled_dot`` / ``sparse_down`` kernels. The transposed
-products (dW = h^T @ dy and the like) scatter the packed values into a dense [M, F] matrix
-inside the backward and run one dense GEMM: not sparse, but one fast GEMM instead of a
-per-entry scatter-add, until a transposed sparse kernel exists. Nothing dense is saved.
+(dh) and dx products run on the ``sampled_dot`` / ``sparse_down`` kernels, the transposed
+products (dW = h^T @ dy, (dg, du)^T @ x) on ``sparse_outer`` over a column-sorted view of the
+pattern ("sorted"), or as one dense GEMM on the packed values scattered into an [M, F] matrix
+inside the backward ("densified"). Nothing dense is saved for the backward either way.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pallas_kernels.gated_up_down import gated_up_down
 from pallas_kernels.pack_rows import pack_rows
 from pallas_kernels.sampled_dot import sampled_dot
 from pallas_kernels.sparse_down import sparse_down
+from pallas_kernels.sparse_outer import sparse_outer
 from twell_jax.backends import Backend
 from twell_jax.config import TwELLConfig
 from twell_jax.format import row_compact
@@ -49,16 +50,23 @@ class PallasOptions:
       up_down: "split" (``sampled_dot`` for u, then ``sparse_down`` of h = g * u: 0.68 + 0.37
         ms at 28 active units per token) or "fused" (the single ``gated_up_down`` kernel:
         1.30-1.40 ms). Full FFN, run 5: split 2.19 ms, fused 2.40 ms.
+      outer: the backward's transposed products (dW): "sorted" (``sparse_outer``: entries
+        sorted by column on the device, then a gather of b rows per unit; reads b once per
+        entry) or "densified" (the packed values scattered into a dense [M, F] matrix, one
+        dense GEMM per product).
     """
 
     pack: Literal["fused", "two_stage"] = "two_stage"
     up_down: Literal["split", "fused"] = "split"
+    outer: Literal["sorted", "densified"] = "sorted"
 
     def __post_init__(self):
         if self.pack not in ("fused", "two_stage"):
             raise ValueError(f"pack must be 'fused' or 'two_stage', got {self.pack!r}")
         if self.up_down not in ("split", "fused"):
             raise ValueError(f"up_down must be 'split' or 'fused', got {self.up_down!r}")
+        if self.outer not in ("sorted", "densified"):
+            raise ValueError(f"outer must be 'sorted' or 'densified', got {self.outer!r}")
 
 
 OPTIONS = PallasOptions()
@@ -169,10 +177,19 @@ def _densified_outer(values, columns, row_nnz, b, d_ff):
     return tuple(one(v) for v in values)
 
 
+def _sparse_outer(values, columns, row_nnz, b, d_ff):
+    if OPTIONS.outer == "densified":
+        return _densified_outer(values, columns, row_nnz, b, d_ff)
+    m, d = b.shape
+    d_pad = _padded_features(d)
+    out = sparse_outer(tuple(values), columns, row_nnz, _pad(b, (m, d_pad)), d_ff)
+    return tuple(o[:, :d] for o in out)
+
+
 BACKEND = Backend(
     pack=_pack,
     gated_up_down=_gated_up_down,
     sparse_dot=_sparse_dot,
     sampled_dot=_sampled_dot,
-    sparse_outer=_densified_outer,
+    sparse_outer=_sparse_outer,
 )

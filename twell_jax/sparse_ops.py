@@ -13,12 +13,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.sampled_dot import sampled_dot_reference
 from pallas_kernels.sparse_down import sparse_down_reference
+from pallas_kernels.sparse_outer import sparse_outer_reference
 
 _F32 = jnp.float32
-
-
-def _valid(row_nnz: jax.Array, k) -> jax.Array:
-    return k < row_nnz
 
 
 def sampled_dot(a: jax.Array, w: jax.Array, columns: jax.Array, row_nnz: jax.Array) -> jax.Array:
@@ -45,15 +42,6 @@ def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax
 
     values: a tuple of [M, K] arrays sharing the pattern; columns: [M, K]; row_nnz: [M];
     b: [M, D]. Returns a tuple of [d_ff, D] float32, one per values array (e.g. dW_down =
-    h^T @ dy with h packed).
+    h^T @ dy with h packed). (The ``sparse_outer`` kernel's reference.)
     """
-    b32 = b.astype(_F32)
-
-    def body(k, outs):
-        ok = _valid(row_nnz, k)
-        dest = jnp.where(ok, columns[:, k], d_ff)  # d_ff = dropped
-        return tuple(out.at[dest].add(v[:, k].astype(_F32)[:, None] * b32, mode="drop")
-                     for out, v in zip(outs, values))
-
-    init = tuple(jnp.zeros((d_ff, b.shape[1]), _F32) for _ in values)
-    return jax.lax.fori_loop(0, jnp.max(row_nnz), body, init)
+    return sparse_outer_reference(values, columns, row_nnz, b, d_ff)

@@ -1,0 +1,112 @@
+"""The sparse_outer kernel (the backward's transposed products) against its jnp reference and
+float64, and the backend's two dW strategies against each other."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import twell_jax as tj
+from pallas_kernels.sparse_outer import (SparseOuterConfig, column_view, sparse_outer,
+                                         sparse_outer_reference)
+from tests.utils import GRAD_TOLERANCES, assert_close, make_ffn_inputs
+
+M, K, D, F = 48, 12, 64, 96
+
+
+def make_pattern(seed: int, pattern: str, dtype, n_values: int = 1):
+    """Row lists with garbage (NaN values, out-of-range columns) past row_nnz."""
+    rng = np.random.default_rng(seed)
+    row_nnz = rng.integers(0, K + 1, M)
+    if pattern == "zero_rows":
+        row_nnz[: M // 3] = 0
+    elif pattern == "full_rows":
+        row_nnz[:] = K
+    columns = np.stack([rng.choice(F, K, replace=False) for _ in range(M)])
+    if pattern == "hot_column":  # every row's first entry hits unit 5
+        columns[:, 0] = 5
+        columns[:, 1:] = np.where(columns[:, 1:] == 5, 6, columns[:, 1:])
+        row_nnz = np.maximum(row_nnz, 1)
+    values = [rng.standard_normal((M, K)) for _ in range(n_values)]
+    invalid = np.arange(K)[None, :] >= row_nnz[:, None]
+    columns = np.where(invalid, rng.integers(-7, 3 * F, (M, K)), columns)
+    values = [np.where(invalid, np.nan, v) for v in values]
+    b = rng.standard_normal((M, D))
+    return (tuple(jnp.asarray(v, dtype) for v in values), jnp.asarray(columns, jnp.int32),
+            jnp.asarray(row_nnz, jnp.int32), jnp.asarray(b, dtype))
+
+
+def float64_outer(values, columns, row_nnz, b):
+    out = [np.zeros((F, D)) for _ in values]
+    b64 = np.asarray(b.astype(jnp.float32), np.float64)
+    for m in range(M):
+        for k in range(int(row_nnz[m])):
+            for o, v in zip(out, values):
+                o[int(columns[m, k])] += float(v[m, k].astype(jnp.float32)) * b64[m]
+    return out
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "zero_rows", "full_rows", "hot_column"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n_values", [1, 2])
+def test_kernel_matches_reference_and_float64(pattern, dtype, n_values):
+    values, columns, row_nnz, b = make_pattern(hash(pattern) % 97, pattern, dtype, n_values)
+    expected = float64_outer(values, columns, row_nnz, b)
+    got = sparse_outer(values, columns, row_nnz, b, F,
+                       config=SparseOuterConfig(block_f=16, block_d=32))
+    ref = jax.jit(sparse_outer_reference, static_argnums=4)(values, columns, row_nnz, b, F)
+    assert len(got) == len(ref) == n_values
+    for g, r, e in zip(got, ref, expected):
+        assert g.dtype == jnp.float32 and g.shape == (F, D)
+        # Both accumulate in fp32 from the same (rounded) inputs: float32 tolerance for both.
+        assert_close(g, e, jnp.float32, what=f"kernel {pattern}")
+        assert_close(r, e, jnp.float32, what=f"reference {pattern}")
+
+
+def test_column_view_groups_entries_by_column():
+    _, columns, row_nnz, _ = make_pattern(3, "uniform", jnp.float32)
+    order, starts, counts = column_view(columns, row_nnz, F)
+    cols, nnz = np.asarray(columns), np.asarray(row_nnz)
+    valid = np.arange(K)[None, :] < nnz[:, None]
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(cols[valid], minlength=F))
+    order = np.asarray(order)
+    for f in (0, 17, F - 1):
+        entries = order[starts[f]: starts[f] + counts[f]]
+        assert np.all(cols.reshape(-1)[entries] == f) and np.all(np.diff(entries) > 0)
+
+
+def test_bad_arguments_raise():
+    values, columns, row_nnz, b = make_pattern(0, "uniform", jnp.float32)
+    with pytest.raises(ValueError, match="non-empty tuple"):
+        sparse_outer(values[0], columns, row_nnz, b, F)
+    with pytest.raises(ValueError, match="b must be"):
+        sparse_outer(values, columns, row_nnz, b[:-1], F)
+    with pytest.raises(ValueError, match="not a multiple of block_f"):
+        sparse_outer(values, columns, row_nnz, b, F, config=SparseOuterConfig(block_f=64))
+    with pytest.raises(ValueError, match="int32"):
+        sparse_outer(values, columns.astype(jnp.int16), row_nnz, b, F)
+
+
+@pytest.mark.parametrize("outer", ["sorted", "densified"])
+def test_backend_outer_options_give_the_same_gradients(outer):
+    from twell_jax import pallas_backend as pb
+
+    m, d, f = 40, 72, 200  # nothing divides a block: the backend pads
+    x, *weights = make_ffn_inputs(4, m, d, f, "heavy_tailed", jnp.bfloat16)
+    config = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=1.0)
+    dy = jnp.asarray(np.random.default_rng(2).standard_normal((m, d)), jnp.bfloat16)
+
+    def grads(implementation):
+        def loss(x, w):
+            y, st = tj.gated_mlp(x, *w, implementation=implementation, config=config,
+                                 return_stats=True)
+            return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)) + 1e-3 * st.l1
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, tuple(weights))
+
+    with pb.use_options(pb.PallasOptions(outer=outer)):
+        got = grads("pallas")
+    want = grads("reference")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, w, jnp.bfloat16, table=GRAD_TOLERANCES, what=outer)
+    with pytest.raises(ValueError, match="outer must be"):
+        pb.PallasOptions(outer="atomic")
