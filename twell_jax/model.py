@@ -197,6 +197,14 @@ def _dense(rngs: nnx.Rngs, d_in: int, d_out: int, cfg: ModelConfig) -> nnx.Param
     return nnx.Param(nn.default_kernel_init(rngs.params(), (d_in, d_out), cfg.param_dtype))
 
 
+def _attention_implementation(dtype, seq_len: int) -> str:
+    """cuDNN flash attention on a GPU for bf16 / fp16 sequences of 128+ tokens
+    (``implementation=None`` would pick XLA's unfused attention, which materialises the
+    [B, N, T, T] scores); XLA elsewhere (short sequences: the scores are small)."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and seq_len >= 128 and jax.default_backend() == "gpu" else "xla"
+
+
 class Attention(nnx.Module):
     """Causal multi-head self-attention with rotary embeddings; no biases."""
 
@@ -218,8 +226,8 @@ class Attention(nnx.Module):
         q = apply_rope(project(self.w_q), cos, sin)
         k = apply_rope(project(self.w_k), cos, sin)
         v = project(self.w_v)
-        # implementation=None: cuDNN flash attention on a GPU when it applies, else XLA.
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=_attention_implementation(q.dtype, t))
         out = out.reshape(b, t, d)
         return jnp.dot(out, self.w_o[...].astype(self.dtype),
                        preferred_element_type=_F32).astype(self.dtype)
