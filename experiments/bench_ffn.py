@@ -468,6 +468,10 @@ def pallas_relu_matmul(x, w, *, block_m, block_n, block_k, num_warps, num_stages
 
 
 def _commit() -> str:
+    """TWELL_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git),
+    else git's HEAD."""
+    if os.environ.get("TWELL_COMMIT"):
+        return os.environ["TWELL_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
