@@ -430,7 +430,7 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
 
     measure("xla dense FFN fwd+bwd", "xla")
     measure("pallas TwELL FFN fwd+bwd", "pallas")
-    for outer in ("sorted", "densified"):
+    for outer in ("sorted", "atomic", "densified"):
         measure(f"pallas TwELL FFN fwd+bwd [outer {outer}]", "pallas", outer=outer)
     measure("pallas TwELL FFN fwd+bwd, sparse forced", "pallas",
             cfg=dataclasses.replace(config, dense_fallback_density=1.0))

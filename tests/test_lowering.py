@@ -27,7 +27,7 @@ from pallas_kernels.pack_rows import pack_rows
 from pallas_kernels.pack_tiles import pack_tiles
 from pallas_kernels.sampled_dot import SampledDotConfig, sampled_dot
 from pallas_kernels.sparse_down import sparse_down
-from pallas_kernels.sparse_outer import sparse_outer
+from pallas_kernels.sparse_outer import sparse_outer, sparse_outer_atomic
 
 M, D, F, K = 256, 256, 512, 32
 BF16 = jnp.bfloat16
@@ -131,3 +131,12 @@ def test_sparse_outer_lowers(n_values):
     module = export_for_cuda(fn, S((M, K), jnp.int32), S((M,), jnp.int32), S((M, D), BF16),
                              *[S((M, K), jnp.float32)] * n_values)
     assert "twell_sparse_outer" in module
+
+
+def test_sparse_outer_atomic_lowers():
+    def fn(columns, row_nnz, b, v1, v2):
+        return sparse_outer_atomic((v1, v2), columns, row_nnz, b, F, interpret=False)
+
+    module = export_for_cuda(fn, S((M, K), jnp.int32), S((M,), jnp.int32), S((M, D), BF16),
+                             S((M, K), jnp.float32), S((M, K), jnp.float32))
+    assert "twell_sparse_outer_atomic" in module

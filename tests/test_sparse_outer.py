@@ -8,7 +8,7 @@ import pytest
 
 import twell_jax as tj
 from pallas_kernels.sparse_outer import (SparseOuterConfig, column_view, sparse_outer,
-                                         sparse_outer_reference)
+                                         sparse_outer_atomic, sparse_outer_reference)
 from tests.utils import GRAD_TOLERANCES, assert_close, make_ffn_inputs
 
 M, K, D, F = 48, 12, 64, 96
@@ -49,11 +49,17 @@ def float64_outer(values, columns, row_nnz, b):
 @pytest.mark.parametrize("pattern", ["uniform", "zero_rows", "full_rows", "hot_column"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("n_values", [1, 2])
-def test_kernel_matches_reference_and_float64(pattern, dtype, n_values):
-    values, columns, row_nnz, b = make_pattern(hash(pattern) % 97, pattern, dtype, n_values)
+@pytest.mark.parametrize("variant", ["sorted", "atomic"])
+def test_kernel_matches_reference_and_float64(variant, pattern, dtype, n_values):
+    seed = {"uniform": 1, "zero_rows": 2, "full_rows": 3, "hot_column": 4}[pattern]
+    values, columns, row_nnz, b = make_pattern(seed, pattern, dtype, n_values)
     expected = float64_outer(values, columns, row_nnz, b)
-    got = sparse_outer(values, columns, row_nnz, b, F,
-                       config=SparseOuterConfig(block_f=16, block_d=32))
+    if variant == "sorted":
+        got = sparse_outer(values, columns, row_nnz, b, F,
+                           config=SparseOuterConfig(block_f=16, block_d=32))
+    else:  # valid columns only: atomics would add an out-of-range column out of bounds
+        in_range = jnp.where(columns >= 0, columns % F, 0)
+        got = sparse_outer_atomic(values, in_range, row_nnz, b, F, block_m=16, block_d=32)
     ref = jax.jit(sparse_outer_reference, static_argnums=4)(values, columns, row_nnz, b, F)
     assert len(got) == len(ref) == n_values
     for g, r, e in zip(got, ref, expected):
@@ -87,7 +93,7 @@ def test_bad_arguments_raise():
         sparse_outer(values, columns.astype(jnp.int16), row_nnz, b, F)
 
 
-@pytest.mark.parametrize("outer", ["sorted", "densified"])
+@pytest.mark.parametrize("outer", ["sorted", "atomic", "densified"])
 def test_backend_outer_options_give_the_same_gradients(outer):
     from twell_jax import pallas_backend as pb
 
@@ -109,4 +115,4 @@ def test_backend_outer_options_give_the_same_gradients(outer):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g, w, jnp.bfloat16, table=GRAD_TOLERANCES, what=outer)
     with pytest.raises(ValueError, match="outer must be"):
-        pb.PallasOptions(outer="atomic")
+        pb.PallasOptions(outer="scatter")

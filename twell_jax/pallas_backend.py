@@ -27,7 +27,7 @@ from pallas_kernels.gated_up_down import gated_up_down
 from pallas_kernels.pack_rows import pack_rows
 from pallas_kernels.sampled_dot import sampled_dot
 from pallas_kernels.sparse_down import sparse_down
-from pallas_kernels.sparse_outer import sparse_outer
+from pallas_kernels.sparse_outer import sparse_outer, sparse_outer_atomic
 from twell_jax.backends import Backend
 from twell_jax.config import TwELLConfig
 from twell_jax.format import row_compact
@@ -52,21 +52,24 @@ class PallasOptions:
         1.30-1.40 ms). Full FFN, run 5: split 2.19 ms, fused 2.40 ms.
       outer: the backward's transposed products (dW): "sorted" (``sparse_outer``: entries
         sorted by column on the device, then a gather of b rows per unit; reads b once per
-        entry) or "densified" (the packed values scattered into a dense [M, F] matrix, one
-        dense GEMM per product).
+        entry), "atomic" (``sparse_outer_atomic``: fp32 atomic adds, no sort, summation order
+        not fixed) or "densified" (the packed values scattered into a dense [M, F] matrix, one
+        dense GEMM per product). FFN forward + backward at M = 16384, 28 active per token
+        (BENCHMARKS.md run 7): sorted 4.80 ms, densified 5.31 ms.
     """
 
     pack: Literal["fused", "two_stage"] = "two_stage"
     up_down: Literal["split", "fused"] = "split"
-    outer: Literal["sorted", "densified"] = "sorted"
+    outer: Literal["sorted", "atomic", "densified"] = "sorted"
 
     def __post_init__(self):
         if self.pack not in ("fused", "two_stage"):
             raise ValueError(f"pack must be 'fused' or 'two_stage', got {self.pack!r}")
         if self.up_down not in ("split", "fused"):
             raise ValueError(f"up_down must be 'split' or 'fused', got {self.up_down!r}")
-        if self.outer not in ("sorted", "densified"):
-            raise ValueError(f"outer must be 'sorted' or 'densified', got {self.outer!r}")
+        if self.outer not in ("sorted", "atomic", "densified"):
+            raise ValueError(f"outer must be 'sorted', 'atomic' or 'densified', got "
+                             f"{self.outer!r}")
 
 
 OPTIONS = PallasOptions()
@@ -182,7 +185,13 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff):
         return _densified_outer(values, columns, row_nnz, b, d_ff)
     m, d = b.shape
     d_pad = _padded_features(d)
-    out = sparse_outer(tuple(values), columns, row_nnz, _pad(b, (m, d_pad)), d_ff)
+    if OPTIONS.outer == "atomic":
+        m_pad = _padded_rows(m)
+        columns, row_nnz, *values = _pad_lists(m_pad, columns, row_nnz, *values)
+        out = sparse_outer_atomic(tuple(values), columns, row_nnz, _pad(b, (m_pad, d_pad)), d_ff,
+                                  block_d=min(256, d_pad))
+    else:
+        out = sparse_outer(tuple(values), columns, row_nnz, _pad(b, (m, d_pad)), d_ff)
     return tuple(o[:, :d] for o in out)
 
 
