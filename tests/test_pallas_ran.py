@@ -18,7 +18,7 @@ SPARSE = tj.TwELLConfig(dense_fallback_density=1.0)  # never the dense switch
 
 def _kernel_names(text: str) -> set[str]:
     return set(re.findall(r"twell_(?:pack_rows|pack_tiles|gate_pack|sampled_dot|sparse_down|"
-                          r"gated_up_down)", text))
+                          r"gated_up_down|sparse_outer)", text))
 
 
 def test_forward_and_backward_lower_the_kernels():
@@ -27,8 +27,9 @@ def test_forward_and_backward_lower_the_kernels():
     assert _kernel_names(fwd.lower(x, *weights).as_text(debug_info=True)) == FORWARD_KERNELS
     grad = jax.grad(lambda *a: jnp.sum(tj.gated_mlp(*a, implementation="pallas", config=SPARSE)),
                     argnums=(0, 1, 2, 3))
-    # Backward: dh = dy . w_down[j] (sampled_dot) and dx (sparse_down) run on the kernels.
-    assert {"twell_sampled_dot", "twell_sparse_down"} <= _kernel_names(
+    # Backward: dh = dy . w_down[j] (sampled_dot), dx (sparse_down) and the dW products
+    # (sparse_outer, the default "sorted" option) run on the kernels.
+    assert {"twell_sampled_dot", "twell_sparse_down", "twell_sparse_outer"} <= _kernel_names(
         str(jax.make_jaxpr(grad)(x, *weights)))
     reference = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="reference", config=SPARSE))
     assert not _kernel_names(reference.lower(x, *weights).as_text(debug_info=True))
