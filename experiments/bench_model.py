@@ -146,7 +146,7 @@ def firing_rates(d_ff: int, mean_nnz: float, pattern: str) -> np.ndarray:
 def calibrate(model: model_lib.Transformer, tokens: jax.Array, mean_nnz: float,
               pattern: str, log: Callable) -> list[np.ndarray]:
     """Sets every layer's ``b_gate`` so unit j fires on ~p_j of ``tokens``; returns them."""
-    gates = nnx.jit(model_lib._gates)
+    gates = nnx.jit(model_lib.gate_preactivations)
     q = jnp.asarray(1.0 - firing_rates(model.cfg.d_ff, mean_nnz, pattern), jnp.float32)
     biases = []
     for layer, block in enumerate(model.blocks):

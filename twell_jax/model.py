@@ -357,7 +357,7 @@ def loss_fn(model: Transformer, tokens: jax.Array, l1_coeff) -> tuple[jax.Array,
     return loss, metrics
 
 
-def _gates(model: Transformer, tokens: jax.Array) -> list[jax.Array]:
+def gate_preactivations(model: Transformer, tokens: jax.Array) -> list[jax.Array]:
     """Each layer's gate pre-activation ``x @ w_gate (+ b_gate)`` [B * T, F] float32 on its
     captured FFN input, computed as the layer does (compute dtype, float32 accumulation)."""
     _, captured = nnx.capture(model, FFNInput)(tokens)
@@ -384,17 +384,18 @@ def unit_activity(model: Transformer, tokens: jax.Array) -> jax.Array:
     ``1 - activity.mean(-1)`` is the dead fraction per layer. Costs one forward pass plus one
     gate GEMM per layer; meant for evaluation, not every training step.
     """
-    return jnp.stack([jnp.any(g > 0, axis=0) for g in _gates(model, tokens)])
+    return jnp.stack([jnp.any(g > 0, axis=0) for g in gate_preactivations(model, tokens)])
 
 
 def token_nnz(model: Transformer, tokens: jax.Array) -> jax.Array:
     """[n_layers, B * T] int32: active FFN units of each token in each layer (the per-token
     distribution behind ``FFNStats``' mean / p99 / max). Same cost as ``unit_activity``."""
-    return jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in _gates(model, tokens)])
+    gates = gate_preactivations(model, tokens)
+    return jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in gates])
 
 
 def activity_and_token_nnz(model: Transformer, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(unit_activity, token_nnz)`` from one pass (one gate GEMM per layer)."""
-    gates = _gates(model, tokens)
+    gates = gate_preactivations(model, tokens)
     return (jnp.stack([jnp.any(g > 0, axis=0) for g in gates]),
             jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in gates]))
