@@ -58,3 +58,8 @@ def check_dense_tiles(h, tile_width: int, slots_per_tile: int) -> tuple[int, int
     if not isinstance(slots_per_tile, int) or not 1 <= slots_per_tile <= tile_width:
         raise ValueError(f"slots_per_tile must be in [1, {tile_width}], got {slots_per_tile!r}")
     return m, f
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()

@@ -1,0 +1,161 @@
+"""Stage-by-stage timing of the sparse FFN's forward kernels and their variants (H100 probe).
+
+    python experiments/bench_stages.py --cases m16k_uniform28 --out runs/stages.jsonl
+
+Times, in one process: the dense FFN as a user writes it (three bf16 GEMMs; the same as plain
+``nnx.Linear`` layers), ``implementation="xla"`` and ``"pallas"``, XLA's bare gate GEMM, the
+packing pass (``row_pack``) and the up/down kernel (``row_up_down``) with several knob settings,
+each checked before it is timed. One JSON line per measurement; a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_ffn  # noqa: E402  (the case inputs and the timer)
+
+import twell_jax as tj  # noqa: E402
+from pallas_kernels.row_pack import RowPackConfig, row_pack  # noqa: E402
+from pallas_kernels.row_up_down import (RowUpDownConfig, row_up_down,  # noqa: E402
+                                        row_up_down_reference)
+
+PACK_VARIANTS = [(1, 512, 1, 2), (1, 512, 2, 2), (2, 512, 2, 2), (4, 512, 4, 2), (4, 512, 4, 3),
+                 (8, 512, 4, 2), (8, 256, 4, 2), (16, 128, 4, 2), (2, 256, 1, 2), (4, 128, 2, 2)]
+UP_DOWN_VARIANTS = [(2048, 4, 1), (2048, 4, 2), (2048, 4, 3), (2048, 2, 1), (2048, 8, 1),
+                    (1024, 4, 1), (2048, 1, 1), (1024, 2, 2)]
+
+
+class DenseMLP(nnx.Module):
+    """The dense FFN as a Flax user writes it: three bias-free bf16 ``nnx.Linear`` layers."""
+
+    def __init__(self, wg, wu, wd):
+        d, f = wg.shape
+        kw = dict(use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                  rngs=nnx.Rngs(0))
+        self.gate, self.up, self.down = (nnx.Linear(d, f, **kw), nnx.Linear(d, f, **kw),
+                                         nnx.Linear(f, d, **kw))
+        self.gate.kernel[...], self.up.kernel[...], self.down.kernel[...] = wg, wu, wd
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.gate(x)) * self.up(x))
+
+
+def run(case_name: str, runs: int, emit) -> None:
+    case = bench_ffn.CASES[case_name]
+    x, wg, wu, wd = bench_ffn.make_case_inputs(case)
+    m, d = x.shape
+    f = wg.shape[1]
+    cfg = tj.TwELLConfig()
+    slots = cfg.max_row_nnz(f)
+    timing = dict(runs=runs, min_batch_ms=2.0)
+    rows = np.random.default_rng(1).choice(m, min(m, 256), replace=False)
+
+    def measure(stage, label, fn, *args, nbytes=None, y_check=False):
+        out = fn(*args)
+        err = None
+        if y_check:
+            err = bench_ffn.rel_error_float64(out, x, wg, wu, wd, rows)
+        t = bench_ffn.time_ms(jax.jit(fn), *args, **timing)
+        row = {"case": case_name, "stage": stage, "variant": label, **t, "rel_err": err}
+        if nbytes:
+            row["TB_per_s"] = nbytes / (t["median_ms"] * 1e-3) / 1e12
+        emit(row)
+
+    dense = lambda x, wg, wu, wd: jnp.dot(jax.nn.relu(jnp.dot(x, wg)) * jnp.dot(x, wu), wd)
+    measure("ffn", "dense_bf16_gemms", jax.jit(dense), x, wg, wu, wd, y_check=True)
+    model = DenseMLP(wg, wu, wd)
+    graphdef, state = nnx.split(model)
+    flax_fn = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    measure("ffn", "flax_nnx_linear", flax_fn, state, x)
+    for impl in ("xla", "pallas"):
+        fn = jax.jit(lambda x, a, b, c, impl=impl: tj.gated_mlp(x, a, b, c, implementation=impl))
+        measure("ffn", impl, fn, x, wg, wu, wd, y_check=True)
+
+    gemm = jax.jit(lambda x, w: jnp.dot(x, w))
+    pre = gemm(x, wg)
+    measure("gate", "xla_gemm_bf16", gemm, x, wg, nbytes=pre.size * 2)
+    _, _, counts, total = row_pack(pre, tile_width=cfg.tile_width, num_slots=slots)
+    for bm, chunk, warps, stages in PACK_VARIANTS:
+        if f % chunk or m % bm:
+            continue
+        conf = RowPackConfig(block_m=bm, chunk=chunk, num_warps=warps, num_stages=stages)
+        fn = jax.jit(lambda p, conf=conf: row_pack(p, tile_width=cfg.tile_width,
+                                                   num_slots=slots, config=conf))
+        got = fn(pre)
+        assert np.array_equal(np.asarray(got[3]), np.asarray(total)), conf
+        measure("pack", f"bm{bm}_c{chunk}_w{warps}_s{stages}", fn, pre, nbytes=pre.size * 2)
+
+    from pallas_kernels.pack_rows import pack_rows  # the kernel row_pack replaces
+    relu_pack = jax.jit(lambda p: pack_rows(jax.nn.relu(p), tile_width=cfg.tile_width,
+                                            slots_per_tile=cfg.slots_per_tile))
+    measure("pack", "old pack_rows (+relu pass)", relu_pack, pre, nbytes=pre.size * 2)
+    heavy = tj.format.heavy_rows(counts, cfg, f)
+    values, columns, _, _ = row_pack(pre, tile_width=cfg.tile_width, num_slots=slots)
+    row_nnz = jnp.where(heavy, 0, total)
+    valid = jnp.arange(slots)[None, :] < row_nnz[:, None]
+    values = jnp.where(valid, values, 0)
+    columns = jnp.where(valid, columns, 0)
+    w_up_t = wu.T
+    y_ref, up_ref = jax.jit(row_up_down_reference)(x, w_up_t, wd, values, columns, row_nnz)
+    gathered = float(jnp.sum(row_nnz)) * 2 * d * 2
+    emit({"case": case_name, "stage": "lists", "heavy_rows": int(heavy.sum()),
+          "nnz_mean": float(jnp.mean(total)), "list_slots": slots})
+    for block_d, warps, stages in UP_DOWN_VARIANTS:
+        if d % block_d:
+            continue
+        conf = RowUpDownConfig(block_d=block_d, num_warps=warps, num_stages=stages)
+        fn = jax.jit(lambda *a, conf=conf: row_up_down(*a, config=conf))
+        y, up = fn(x, w_up_t, wd, values, columns, row_nnz)
+        err = float(jnp.linalg.norm((y - y_ref).astype(jnp.float32))
+                    / jnp.linalg.norm(y_ref.astype(jnp.float32)))
+        assert err < 1e-2 and bool(jnp.all(jnp.isfinite(up))), (conf, err)
+        measure("up_down", f"d{block_d}_w{warps}_s{stages}", fn, x, w_up_t, wd, values,
+                columns, row_nnz, nbytes=gathered)
+
+    def composed(x, wg, w_up_t, wd):
+        pre = jnp.dot(x, wg)
+        v, c, cnt, tot = row_pack(pre, tile_width=cfg.tile_width, num_slots=slots)
+        nnz = jnp.where(tj.format.heavy_rows(cnt, cfg, f), 0, tot)
+        return row_up_down(x, w_up_t, wd, v, c, nnz)[0]
+
+    measure("ffn", "gemm+row_pack+row_up_down (light rows only)", jax.jit(composed), x, wg,
+            w_up_t, wd)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="m16k_uniform28", help="comma list of bench_ffn cases")
+    parser.add_argument("--runs", type=int, default=30, help="timed batches (median reported)")
+    parser.add_argument("--out", default="runs/stages.jsonl", help="JSON lines, appended")
+    args = parser.parse_args(argv)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    for name in args.cases.split(","):
+        run(name, args.runs, emit)
+    print(f"\n{'case':18} {'stage':8} {'variant':44} {'ms':>7} {'TB/s':>6} {'err':>8}")
+    for r in rows:
+        if "median_ms" in r:
+            tb = f"{r['TB_per_s']:.2f}" if "TB_per_s" in r else ""
+            err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else ""
+            print(f"{r['case']:18} {r['stage']:8} {r['variant']:44} {r['median_ms']:7.3f} "
+                  f"{tb:>6} {err:>8}")
+
+
+if __name__ == "__main__":
+    main()

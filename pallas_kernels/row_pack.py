@@ -1,0 +1,168 @@
+"""Packs a dense gate pre-activation [M, F] into per-row lists of its positive entries.
+
+For each row, in column order, the entries of ``relu(pre + bias)`` that are positive (NaN counts
+as positive, so it propagates) are listed as ``values`` [M, K] and ``columns`` [M, K] int32 (the
+first ``min(row_total, K)`` entries of a row are valid; the rest are unspecified), together with
+the true per-tile counts ``counts`` [M, F / T] int32 and per-row totals ``row_total`` [M] int32.
+A row whose total exceeds K, or whose count in some tile exceeds the TwELL slot limit, is
+*heavy*: the caller computes it densely, so its list never needs more than K entries.
+
+It reads XLA's bf16 GEMM output directly (the ReLU and the optional bias are applied here), so
+the gate stage is one GEMM plus one read of its output. One program per ``block_m`` rows loops
+over column chunks of ``chunk`` columns (several tiles at once: fewer dependent steps per
+program than one tile at a time), ranking the positive lanes with a prefix count and writing
+them with one masked scatter per chunk. Disabled lanes are sent to index K (out of range) so
+they never alias a real write (interpret mode applies masked scatters to every lane).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import check_config, check_dense_tiles, resolve_interpret
+
+
+def _row_pack_kernel(*refs, block_m: int, chunk: int, num_chunks: int, tile_width: int,
+                     num_slots: int, has_bias: bool):
+    """One program: rows [i * block_m, +block_m), all columns in ``num_chunks`` steps.
+
+    Refs: pre [M, F], [bias [F] float32]; outputs values [M, K], columns [M, K] int32,
+    counts [M, F / T] int32, row_total [M] int32.
+    """
+    if has_bias:
+        pre_ref, bias_ref, values_ref, columns_ref, counts_ref, total_ref = refs
+    else:
+        pre_ref, values_ref, columns_ref, counts_ref, total_ref = refs
+    row0 = pl.multiple_of(pl.program_id(0) * block_m, block_m)
+    rows = pl.ds(row0, block_m)
+    shape = (block_m, chunk)
+    lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    row_index = row0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    tiles_per_chunk = chunk // tile_width
+
+    def chunk_step(c, length):
+        col0 = pl.multiple_of(c * chunk, chunk)
+        gate = pre_ref[rows, pl.ds(col0, chunk)].astype(jnp.float32)
+        if has_bias:
+            gate = gate + bias_ref[pl.ds(col0, chunk)][None, :]
+        positive = jnp.logical_not(gate <= 0.0)  # > 0 or NaN
+        p = positive.astype(jnp.int32)
+        rank = length[:, None] + jnp.cumsum(p, axis=1) - p
+        keep = positive & (rank < num_slots)
+        dest = jnp.where(keep, rank, num_slots)
+        plgpu.store(values_ref.at[row_index, dest], gate.astype(values_ref.dtype), mask=keep)
+        plgpu.store(columns_ref.at[row_index, dest], col0 + lane, mask=keep)
+        tile_counts = p.reshape(block_m, tiles_per_chunk, tile_width).sum(axis=2)
+        counts_ref[rows, pl.ds(c * tiles_per_chunk, tiles_per_chunk)] = tile_counts
+        return length + p.sum(axis=1)
+
+    total_ref[rows] = jax.lax.fori_loop(0, num_chunks, chunk_step,
+                                        jnp.zeros((block_m,), jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowPackConfig:
+    """Knobs of :func:`row_pack`.
+
+    Attributes:
+      block_m: rows per program (power of two).
+      chunk: columns per step (a power-of-two multiple of the tile width dividing F).
+      num_warps: Triton warps per program.
+      num_stages: Triton pipelining stages of the chunk loop.
+    """
+
+    block_m: int = 4
+    chunk: int = 512
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        check_config(self, ("block_m", "chunk", "num_warps"))
+
+
+def default_row_pack_config(m: int, f: int, tile_width: int) -> RowPackConfig:
+    """The widest chunk (<= 512 columns) that divides F, 4 rows per program, 4 warps."""
+    chunk = tile_width
+    while chunk < 512 and f % (2 * chunk) == 0:
+        chunk *= 2
+    block_m = 4
+    while m % block_m:
+        block_m //= 2
+    return RowPackConfig(block_m=block_m, chunk=chunk)
+
+
+def _check_bias(bias, f: int):
+    if bias is not None and (bias.shape != (f,) or bias.dtype != jnp.float32):
+        raise ValueError(f"bias must be float32 of shape ({f},), got {bias.dtype} {bias.shape}")
+
+
+def row_pack(pre: jax.Array, bias: jax.Array | None = None, *, tile_width: int,
+             num_slots: int, config: RowPackConfig | None = None,
+             interpret: bool | None = None):
+    """Row lists of the positive entries of ``pre + bias``.
+
+    Args:
+      pre: [M, F] gate pre-activation (bf16 or f32); F % tile_width == 0 (the caller pads).
+      bias: optional [F] float32, added before the ReLU.
+      tile_width: T, the TwELL tile width (counts are per T columns).
+      num_slots: K, list entries kept per row.
+      config: ``default_row_pack_config`` when None; chunk must divide F, block_m must divide M.
+    Returns:
+      values [M, K] pre.dtype, columns [M, K] int32 (valid for k < min(row_total, K), column
+      order), counts [M, F / T] int32, row_total [M] int32.
+    """
+    m, f = check_dense_tiles(pre, tile_width, 1)
+    _check_bias(bias, f)
+    if not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+    config = default_row_pack_config(m, f, tile_width) if config is None else config
+    if config.chunk % tile_width or f % config.chunk:
+        raise ValueError(f"chunk={config.chunk} must be a multiple of tile_width={tile_width} "
+                         f"dividing F={f}")
+    if m % config.block_m:
+        raise ValueError(f"M={m} is not a multiple of block_m={config.block_m}")
+    kernel = functools.partial(
+        _row_pack_kernel, block_m=config.block_m, chunk=config.chunk,
+        num_chunks=f // config.chunk, tile_width=tile_width, num_slots=num_slots,
+        has_bias=bias is not None)
+    inputs = (pre,) if bias is None else (pre, bias)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((m, num_slots), pre.dtype),
+            jax.ShapeDtypeStruct((m, num_slots), jnp.int32),
+            jax.ShapeDtypeStruct((m, f // tile_width), jnp.int32),
+            jax.ShapeDtypeStruct((m,), jnp.int32),
+        ),
+        grid=(m // config.block_m,),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=resolve_interpret(interpret),
+        name="twell_row_pack",
+    )(*inputs)
+
+
+def row_pack_reference(pre: jax.Array, bias: jax.Array | None = None, *, tile_width: int,
+                       num_slots: int):
+    """Plain-jnp :func:`row_pack` (entries past a row's list are zero here)."""
+    m, f = check_dense_tiles(pre, tile_width, 1)
+    _check_bias(bias, f)
+    gate = pre.astype(jnp.float32)
+    if bias is not None:
+        gate = gate + bias
+    positive = jnp.logical_not(gate <= 0.0)
+    rank = jnp.cumsum(positive, axis=1, dtype=jnp.int32) - 1
+    dest = jnp.where(positive & (rank < num_slots), rank, num_slots)  # num_slots = dropped
+    rows = jnp.broadcast_to(jnp.arange(m)[:, None], (m, f))
+    cols = jnp.broadcast_to(jnp.arange(f, dtype=jnp.int32)[None, :], (m, f))
+    values = jnp.zeros((m, num_slots), pre.dtype).at[rows, dest].set(
+        gate.astype(pre.dtype), mode="drop")
+    columns = jnp.zeros((m, num_slots), jnp.int32).at[rows, dest].set(cols, mode="drop")
+    counts = positive.reshape(m, f // tile_width, tile_width).sum(axis=2, dtype=jnp.int32)
+    return values, columns, counts, positive.sum(axis=1, dtype=jnp.int32)
