@@ -16,9 +16,10 @@ reports the bytes each path saves for the backward (``saved_residuals``; inputs 
 
 For each case (shape x sparsity pattern) it checks both paths against float64 (numpy, on a sample
 of rows, heavy rows included) before timing, then times the jitted forwards: median over
-``--runs`` batches after warm-up, each batch synchronised with ``block_until_ready``. It also times
-the stages alone (gate GEMM + pack against XLA's GEMM on the same shape, row compaction, the
-fused up/down kernel) and kernel variants, so a missed target can be traced to a stage.
+``--runs`` batches after warm-up, each batch synchronised with ``block_until_ready``. Beside the
+dense ``"xla"`` path it times three plain bf16 ``nnx.Linear`` layers (a user's dense FFN), and
+the stages alone (XLA's gate GEMM, ``row_pack``, ``row_up_down``) with bytes and rates, so a
+missed target can be traced to a stage (knob sweeps: ``experiments/bench_stages.py``).
 Sparsity statistics per case: mean / p99 / max active units per token, fraction of (row, tile)
 pairs over S, heavy rows. One JSON line per measurement goes to ``--out``; a table is printed last.
 """
@@ -42,14 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import twell_jax as tj
-from pallas_kernels import gate_pack as gp
-from pallas_kernels import gated_up_down as gud
-from pallas_kernels import pack_rows as pr
-from pallas_kernels import sampled_dot as sdot
-from pallas_kernels import sparse_down as sd
-from pallas_kernels.common import resolve_interpret
+from pallas_kernels.row_pack import row_pack
+from pallas_kernels.row_up_down import row_up_down
 from twell_jax import pallas_backend as pb
-from twell_jax.format import heavy_rows, row_compact
+from twell_jax.format import heavy_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +55,6 @@ class BenchArgs:
     runs: int = 50  # timed batches per measurement (median reported)
     min_batch_ms: float = 2.0  # calls per batch chosen so one batch lasts at least this long
     check_rows: int = 512  # rows checked against float64
-    variants: bool = True  # also time kernel variants (block sizes, prefix sums, schedules)
     backward: bool = False  # time forward + backward (training) instead of the forward
     out: str = "runs/bench_ffn.jsonl"  # JSON lines, appended
 
@@ -68,7 +64,6 @@ HELP = {
     "runs": "timed batches per measurement; the median is reported",
     "min_batch_ms": "each timed batch repeats the call until it lasts at least this long",
     "check_rows": "rows compared against the float64 reference before timing",
-    "variants": "also time kernel variants (block sizes, prefix sums, schedules)",
     "backward": "time forward + backward (all four gradients) instead of the forward alone",
     "out": "JSON-lines file the measurements are appended to",
 }
@@ -95,6 +90,7 @@ CASES = {
         Case("m16k_heavy", 16384, 2048, 5632, "heavy_tailed", 60.0, 580.0),
         Case("m128k_uniform28", 131072, 2048, 5632, "uniform", 28.0),
         Case("wide_m16k_uniform", 16384, 4096, 14336, "uniform", 14336 * 28 / 5632),
+        Case("wide_m16k_uniform28", 16384, 4096, 14336, "uniform", 28.0),
         Case("decode_m1", 1, 2048, 5632, "uniform", 28.0),
         Case("decode_m8", 8, 2048, 5632, "uniform", 28.0),
         Case("decode_m64", 64, 2048, 5632, "uniform", 28.0),
@@ -103,7 +99,7 @@ CASES = {
 SUITES = {
     "smoke": ["smoke_uniform", "smoke_heavy"],
     "paper": ["m16k_uniform28", "m16k_heavy", "m16k_uniform2pct", "decode_m1", "decode_m8",
-              "decode_m64", "wide_m16k_uniform", "m128k_uniform28"],
+              "decode_m64", "wide_m16k_uniform28", "m128k_uniform28"],
     "training": ["m16k_uniform28", "m16k_heavy"],
 }
 
@@ -259,96 +255,35 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     base = measure("xla dense FFN", dense, x, w_gate, w_up, w_down)
     measure("pallas TwELL FFN", sparse, x, w_gate, w_up, w_down,
             fallback=bool(sparse(x, w_gate, w_up, w_down)[1].dense_fallback))
-    for options in (pb.PallasOptions(pack="two_stage", up_down="fused"),
-                    pb.PallasOptions(pack="fused", up_down="split")):
-        with pb.use_options(options):
-            fn = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=config))
-            measure(f"pallas TwELL FFN [pack {options.pack}, up/down {options.up_down}]", fn,
-                    x, w_gate, w_up, w_down)
     no_switch = dataclasses.replace(config, dense_fallback_density=1.0)
     forced = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=no_switch))
     measure("pallas TwELL FFN, sparse forced", forced, x, w_gate, w_up, w_down)
+    flax_mlp = jax.jit(lambda *a: flax_dense_mlp(*a))
+    measure("flax: three bf16 nnx.Linear layers", flax_mlp, x, w_gate, w_up, w_down)
 
-    # Stages alone.
+    # Stages alone (knob sweeps: experiments/bench_stages.py).
     mm = jax.jit(lambda a, b: jnp.dot(a, b))
-    gemm = measure("stage: xla gate GEMM (x @ w_gate)", mm, x, w_gate, check=False)
-    if case.m % 16 == 0:
-        pack_variants = [("default", None)]
-        if args.variants:
-            for bm, tpp, warps, stages, group, prefix in (
-                    (64, 1, 4, 4, 10**6, "cumsum"),  # rows fastest: the first version's order
-                    (64, 1, 4, 4, 32, "cumsum")):
-                pack_variants.append((
-                    f"{prefix} bm{bm} n{tpp}x{config.tile_width} w{warps} s{stages} g{group}",
-                    gp.GatePackConfig(block_m=bm, block_k=64, num_warps=warps, num_stages=stages,
-                                      prefix_sum=prefix, tiles_per_program=tpp, group_m=group)))
-        for name, cfg in pack_variants:
-            fn = jax.jit(lambda a, b, cfg=cfg: gp.gate_pack(
-                a, b, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile,
-                config=cfg))
-            measure(f"stage: gate GEMM + pack [{name}]", fn, x, w_gate, check=False)
-        if args.variants and case.f % 256 == 0:
-            for bm, bn, bk, warps, stages in ((64, 128, 64, 4, 4), (128, 128, 64, 8, 4),
-                                              (128, 256, 64, 8, 3)):
-                fn = jax.jit(functools.partial(pallas_relu_matmul, block_m=bm, block_n=bn,
-                                               block_k=bk, num_warps=warps, num_stages=stages))
-                measure(f"diagnostic: plain Pallas GEMM+relu {bm}x{bn}x{bk} w{warps} s{stages}",
-                        fn, x, w_gate, check=False)
-        two_stage = jax.jit(lambda a, b: pr.pack_rows(
-            jax.nn.relu(jnp.dot(a, b)), tile_width=config.tile_width,
-            slots_per_tile=config.slots_per_tile))
-        measure("stage: gate two-stage (XLA GEMM + pack_rows, row lists)", two_stage, x,
-                w_gate, check=False)
-        gate_dense = jax.jit(lambda a, b: jax.nn.relu(jnp.dot(a, b)))(x, w_gate)
-        pack_only = jax.jit(lambda g: pr.pack_rows(g, tile_width=config.tile_width,
-                                                   slots_per_tile=config.slots_per_tile))
-        measure("stage: pack_rows alone (dense gate -> row lists)", pack_only, gate_dense,
-                check=False)
-        if args.variants:
-            for bm, warps, stages in ((16, 4, 2), (64, 8, 2), (32, 8, 3), (32, 2, 2)):
-                cfg = pr.PackRowsConfig(block_m=bm, num_warps=warps, num_stages=stages)
-                fn = jax.jit(lambda g, cfg=cfg: pr.pack_rows(
-                    g, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile,
-                    config=cfg))
-                measure(f"stage: pack_rows alone [bm{bm} w{warps} s{stages}]", fn, gate_dense,
-                        check=False)
-        values, columns, counts = jax.jit(lambda a, b: gp.gate_pack(
-            a, b, tile_width=config.tile_width, slots_per_tile=config.slots_per_tile))(x, w_gate)
-        compact = jax.jit(lambda v, c, n: row_compact(v, c, n, config.slots_per_tile))
-        measure("stage: row compaction (XLA)", compact, values, columns, counts, check=False)
-        gv, cols, nnz = compact(values, columns, counts)
-        w_up_t = jnp.asarray(w_up.T)
-        ud_variants = [("default", None)]
-        if args.variants:
-            for bm, bd, sched, warps, stages in (
-                    (16, 512, "two_pass", 8, 1), (8, 512, "two_pass", 4, 1)):
-                ud_variants.append((f"{sched} bm{bm} bd{bd} w{warps} s{stages}",
-                                    gud.GatedUpDownConfig(block_m=bm, block_d=bd, schedule=sched,
-                                                          num_warps=warps, num_stages=stages,
-                                                          preload_x=False)))
-        for name, cfg in ud_variants:
-            fn = jax.jit(lambda *a, cfg=cfg: gud.gated_up_down(*a, config=cfg))
-            measure(f"stage: fused up/down [{name}]", fn, x, w_up_t, w_down, gv, cols, nnz,
-                    check=False)
-        sd_variants = [("default", None)]
-        if args.variants:
-            for bm, bk, bd, warps in ((16, 4, 256, 8), (16, 16, 128, 8), (8, 8, 256, 8),
-                                      (32, 4, 128, 8)):
-                sd_variants.append((f"bm{bm} bk{bk} bd{bd} w{warps}", sdot.SampledDotConfig(
-                    block_m=bm, block_k=bk, block_d=bd, num_warps=warps)))
-        for name, cfg in sd_variants:
-            up = jax.jit(lambda a, w, c, n, cfg=cfg: sdot.sampled_dot(a, w, c, n, config=cfg))
-            measure(f"stage: sampled_dot alone (u at the entries) [{name}]", up, x, w_up_t,
-                    cols, nnz, check=False)
-        down = jax.jit(lambda v, c, n, w: sd.sparse_down(v, c, n, w))
-        measure("stage: sparse_down alone (half the gathers)", down, gv, cols, nnz, w_down,
-                check=False)
+    gemm = measure("stage: xla gate GEMM (x @ w_gate, bf16 out)", mm, x, w_gate, check=False)
+    f_pad = config.num_tiles(case.f) * config.tile_width
+    slots = config.max_row_nnz(case.f)
+    pre = mm(x, jnp.pad(w_gate, ((0, 0), (0, f_pad - case.f))))
+    pack = jax.jit(lambda p: row_pack(p, tile_width=config.tile_width, num_slots=slots))
+    packed = measure("stage: row_pack (pre-activation -> row lists)", pack, pre, check=False)
+    packed["bytes"] = pre.size * pre.dtype.itemsize
+    values, columns, counts, total = pack(pre)
+    row_nnz = jnp.where(heavy_rows(counts, config, case.f), 0, total)
+    valid = jnp.arange(slots)[None, :] < row_nnz[:, None]
+    values, columns = jnp.where(valid, values, 0), jnp.where(valid, columns, 0)
+    up_down = jax.jit(lambda *a: row_up_down(*a)[0])
+    gathered = measure("stage: row_up_down (light rows)", up_down, x, jnp.asarray(w_up.T),
+                       w_down, values, columns, row_nnz, check=False)
+    gathered["bytes"] = int(jnp.sum(row_nnz)) * 2 * case.d * w_down.dtype.itemsize
+    for row in (gemm, packed, gathered):
+        if "median_ms" in row and "bytes" in row:
+            row["TB_per_s"] = row["bytes"] / row["median_ms"] / 1e9
     for row in results:
         if "median_ms" in row and "median_ms" in base:
             row["speedup_vs_xla"] = base["median_ms"] / row["median_ms"]
-        if row["label"].startswith("stage: gate GEMM + pack") and "median_ms" in gemm \
-                and "median_ms" in row:
-            row["fraction_of_xla_gemm_rate"] = gemm["median_ms"] / row["median_ms"]
     return results
 
 
@@ -439,32 +374,16 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
     return results
 
 
-def pallas_relu_matmul(x, w, *, block_m, block_n, block_k, num_warps, num_stages, group_m=8):
-    """Diagnostic only: relu(x @ w) as a plain Pallas-Triton GEMM with gate_pack's launch order
-    and tile shapes, to separate the GEMM's own rate from the packing epilogue's cost."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
+def flax_dense_mlp(x, w_gate, w_up, w_down):
+    """The dense FFN as a Flax user writes it: three bias-free bf16 ``nnx.Linear`` layers
+    (bf16 GEMM outputs, fp32 accumulation inside), timed beside ``implementation="xla"``."""
+    from flax import nnx
 
-    m, d = x.shape
-    f = w.shape[1]
-    rows, cols = m // block_m, f // block_n
-
-    def kernel(x_ref, w_ref, o_ref):
-        i, c = gp._grid_position(pl.program_id(0), rows, cols, group_m)
-
-        def step(kb, acc):
-            xb = x_ref[pl.ds(i * block_m, block_m), pl.ds(kb * block_k, block_k)]
-            wb = w_ref[pl.ds(kb * block_k, block_k), pl.ds(c * block_n, block_n)]
-            return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32)
-
-        acc = jax.lax.fori_loop(0, d // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
-        o_ref[pl.ds(i * block_m, block_m), pl.ds(c * block_n, block_n)] = (
-            jnp.maximum(acc, 0.0).astype(o_ref.dtype))
-
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((m, f), x.dtype), grid=(rows * cols,),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=resolve_interpret(None), name="bench_relu_matmul")(x, w)
+    (d, f), kw = w_gate.shape, dict(use_bias=False, dtype=x.dtype, param_dtype=x.dtype,
+                                    rngs=nnx.Rngs(0))
+    gate, up, down = nnx.Linear(d, f, **kw), nnx.Linear(d, f, **kw), nnx.Linear(f, d, **kw)
+    gate.kernel[...], up.kernel[...], down.kernel[...] = w_gate, w_up, w_down
+    return down(jax.nn.relu(gate(x)) * up(x))
 
 
 def _commit() -> str:

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_config, next_pow2, resolve_interpret
+from pallas_kernels.common import (check_config, largest_pow2_divisor, next_pow2,
+                                   resolve_interpret)
 
 
 def _row_up_down_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, up_width: int,
@@ -92,14 +93,15 @@ class RowUpDownConfig:
 
 
 def default_row_up_down_config(d: int) -> RowUpDownConfig:
-    """Blocks for rows of ``d`` features.
+    """Knobs for rows of ``d`` features: the widest power-of-two chunk (<= 2048) dividing D,
+    and one warp per 512 features (16 fp32 values of x and of the accumulator per thread).
 
-    H100, M = 16384, D = 2048, F = 5632, 28 entries per row: 4 warps, one 2048 chunk (16 fp32
-    values of x and of the accumulator per thread). Narrow rows get fewer warps so each thread
-    still holds at least 4 elements (16-byte bf16 loads come in pairs)."""
-    block_d = min(next_pow2(d), 2048)
-    num_warps = max(1, min(4, block_d // 128))
-    return RowUpDownConfig(block_d=block_d, num_warps=num_warps)
+    H100, M = 16384, 28 entries per row (BENCHMARKS.md, stage table): D = 2048: 4 warps 0.73
+    ms, 8 warps 0.83, 2 warps 1.03, 1 warp 0.83; 1024-wide chunks 0.76. D = 4096: 8 warps
+    6.49 ms, 4 warps 6.67 (71 entries per row). Prefetching the next entry's rows into
+    registers (software pipelining by hand) was slower: 0.72 ms at D = 2048."""
+    return RowUpDownConfig(block_d=largest_pow2_divisor(d, 2048),
+                           num_warps=max(1, min(8, d // 512)))
 
 
 def _check_args(x, w_up_t, w_down, gate_values, columns, row_nnz, gated: bool):
@@ -156,13 +158,14 @@ def row_up_down(
     gated = x is not None
     m, k, d = _check_args(x, w_up_t, w_down, gate_values, columns, row_nnz, gated)
     config = default_row_up_down_config(d) if config is None else config
-    block_d = min(config.block_d, next_pow2(d))
+    block_d = config.block_d
     if d % block_d:
         raise ValueError(f"D={d} is not a multiple of block_d={block_d}")
     out_dtype = jnp.dtype(out_dtype or (x.dtype if gated else w_down.dtype))
     up_width = next_pow2(max(k, 1))  # a register vector needs a power-of-two length
     kernel = functools.partial(_row_up_down_kernel, block_d=block_d, num_chunks=d // block_d,
-                               num_slots=k, up_width=up_width, gated=gated)
+                               num_slots=k, up_width=up_width,
+                               gated=gated)
     out_shape = [jax.ShapeDtypeStruct((m, d), out_dtype)]
     inputs = (x, w_up_t) if gated else ()
     if gated:

@@ -185,20 +185,16 @@ def test_rows_over_the_row_cap_take_the_backup(implementation):
     assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
 
 
-@pytest.mark.parametrize("pack,up_down", [("two_stage", "split"), ("fused", "fused")])
-def test_pallas_options_compute_the_same_function(pack, up_down):
-    from twell_jax import pallas_backend
-
+def test_pallas_threshold_row_or_bias_compute_the_same_function():
     x, *weights = make_ffn_inputs(12, M, D, F, "heavy_tailed", jnp.bfloat16)
     # The same function with the threshold as a gate bias instead of w_gate's last row (x's
     # last feature is 1).
     w_gate, w_up, w_down = weights
     weights_nb, bias = (w_gate.at[-1].set(0), w_up, w_down), w_gate[-1]
-    with pallas_backend.use_options(pallas_backend.PallasOptions(pack=pack, up_down=up_down)):
-        run = jax.jit(lambda x, w, b: tj.gated_mlp(x, *w, b_gate=b, implementation="pallas",
-                                                   config=CONFIG, return_stats=True))
-        y, stats = run(x, weights, None)
-        y_bias, _ = run(x, weights_nb, bias)
+    run = jax.jit(lambda x, w, b: tj.gated_mlp(x, *w, b_gate=b, implementation="pallas",
+                                               config=CONFIG, return_stats=True))
+    y, stats = run(x, weights, None)
+    y_bias, _ = run(x, weights_nb, bias)
     assert int(stats.heavy_rows) > 0
     expected = ffn_float64(x, *weights)[0]
     assert_close(y, expected, jnp.bfloat16)

@@ -12,13 +12,12 @@ from twell_jax import ffn
 from tests.test_lowering import export_for_cuda
 from tests.utils import make_ffn_inputs
 
-FORWARD_KERNELS = {"twell_pack_rows", "twell_sampled_dot", "twell_sparse_down"}
+FORWARD_KERNELS = {"twell_row_pack", "twell_row_up_down"}
 SPARSE = tj.TwELLConfig(dense_fallback_density=1.0)  # never the dense switch
 
 
 def _kernel_names(text: str) -> set[str]:
-    return set(re.findall(r"twell_(?:pack_rows|pack_tiles|gate_pack|sampled_dot|sparse_down|"
-                          r"gated_up_down|sparse_outer)", text))
+    return set(re.findall(r"twell_(?:row_pack|row_up_down|row_backward|sparse_outer)", text))
 
 
 def test_forward_and_backward_lower_the_kernels():
@@ -27,9 +26,9 @@ def test_forward_and_backward_lower_the_kernels():
     assert _kernel_names(fwd.lower(x, *weights).as_text(debug_info=True)) == FORWARD_KERNELS
     grad = jax.grad(lambda *a: jnp.sum(tj.gated_mlp(*a, implementation="pallas", config=SPARSE)),
                     argnums=(0, 1, 2, 3))
-    # Backward: dh = dy . w_down[j] (sampled_dot), dx (sparse_down) and the dW products
-    # (sparse_outer, the default "sorted" option) run on the kernels.
-    assert {"twell_sampled_dot", "twell_sparse_down", "twell_sparse_outer"} <= _kernel_names(
+    # Backward: dh, du, dg and dx (row_backward) and the dW products (sparse_outer) run on the
+    # kernels.
+    assert {"twell_row_backward", "twell_sparse_outer"} <= _kernel_names(
         str(jax.make_jaxpr(grad)(x, *weights)))
     reference = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="reference", config=SPARSE))
     assert not _kernel_names(reference.lower(x, *weights).as_text(debug_info=True))
@@ -45,5 +44,5 @@ def test_the_whole_op_lowers_for_the_gpu(monkeypatch, gated):
               ([(m, d), (d, f), (d, f), (f, d)] if gated else [(m, d), (d, f), (f, d)])]
     op = tj.gated_mlp if gated else tj.mlp
     module = export_for_cuda(lambda *a: op(*a, implementation="pallas", config=SPARSE), *shapes)
-    expected = FORWARD_KERNELS if gated else {"twell_pack_rows", "twell_sparse_down"}
+    expected = FORWARD_KERNELS
     assert expected <= _kernel_names(module)

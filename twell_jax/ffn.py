@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import default_interpret
 from twell_jax import backends
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
+from twell_jax.dense import gate_pre_activation
 from twell_jax.format import heavy_row_index, heavy_rows
 
 Implementation = Literal["pallas", "reference", "xla"]
@@ -66,51 +67,21 @@ def _p99(row_nnz: jax.Array) -> jax.Array:
     return jnp.sort(row_nnz)[max(0, -(-99 * m // 100) - 1)]
 
 
-@jax.custom_vjp
-def _mixed_dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b with float32 accumulation and output, whose backward GEMMs run in the inputs'
-    dtype (the cotangent is rounded to it first, float32 accumulation). Plain autodiff of
-    ``jnp.dot(..., preferred_element_type=float32)`` would multiply the float32 cotangent by the
-    bf16 operand: float32 GEMMs, about half the bf16 tensor-core rate."""
-    return jnp.dot(a, b, preferred_element_type=_F32)
-
-
-def _mixed_dot_fwd(a, b):
-    return _mixed_dot(a, b), (a, b)
-
-
-def _mixed_dot_bwd(residuals, ct):
-    a, b = residuals
-    ct = ct.astype(a.dtype)
-    return (jnp.dot(ct, b.T, preferred_element_type=_F32).astype(a.dtype),
-            jnp.dot(a.T, ct, preferred_element_type=_F32).astype(b.dtype))
-
-
-_mixed_dot.defvjp(_mixed_dot_fwd, _mixed_dot_bwd)
-
-
-def _pre_activation(x, w, bias):
-    """x @ w (+ bias) in float32: the gating projection before the ReLU."""
-    pre = _mixed_dot(x, w)
-    return pre if bias is None else pre + bias.astype(_F32)
-
-
 def _dense_rows(x: jax.Array, weights: tuple[jax.Array, ...], bias, gated: bool):
-    """Dense FFN on rows x [R, D]. Returns (y [R, D] x.dtype, l1 [R] f32, active [R, F] bool)."""
-    dot = _mixed_dot
-    gate = jax.nn.relu(_pre_activation(x, weights[0], bias))
-    h = gate * dot(x, weights[1]) if gated else gate
-    h = h.astype(x.dtype)  # as the dense bf16 path does: the down GEMM runs on x.dtype
-    y = dot(h, weights[-1]).astype(x.dtype)
-    return y, jnp.sum(jnp.abs(h.astype(_F32)), axis=1), gate > 0
+    """Dense FFN on rows x [R, D], written as a plain Flax MLP computes it: every GEMM emits
+    x.dtype (float32 accumulation inside), the gating product in x.dtype. Its autodiff backward
+    runs x.dtype GEMMs too. Returns (y [R, D] x.dtype, l1 [R] f32, active [R, F] bool)."""
+    pre = gate_pre_activation(x, weights[0], bias)
+    y, l1_rows = _dense_from_pre(x, pre, weights, gated)
+    return y, l1_rows, pre > 0
 
 
-def _dense_from_gate(x, gate, weights, gated):
-    """Dense FFN given the (x.dtype) ReLU gate [R, F]: the up and down GEMMs only."""
-    dot = functools.partial(jnp.dot, preferred_element_type=_F32)
-    h = gate.astype(_F32) * dot(x, weights[1]) if gated else gate.astype(_F32)
-    h = h.astype(x.dtype)
-    return dot(h, weights[-1]).astype(x.dtype), jnp.sum(jnp.abs(h.astype(_F32)), axis=1)
+def _dense_from_pre(x, pre, weights, gated):
+    """Dense FFN given the gate pre-activation ``pre = x @ w_gate + bias`` [R, F] (x.dtype):
+    (y [R, D] x.dtype, l1 [R] f32)."""
+    gate = jax.nn.relu(pre)
+    h = gate * jnp.dot(x, weights[1]) if gated else gate
+    return jnp.dot(h, weights[-1]), jnp.sum(jnp.abs(h.astype(_F32)), axis=1)
 
 
 def _dense_with_stats(x, weights, bias, gated, config):
@@ -211,16 +182,18 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     backend = backends.get(implementation)
     m = x.shape[0]
     f = weights[0].shape[1]
-    gate_values, columns, counts, row_nnz, dense_gate = backend.pack(x, weights[0], bias, config)
+    values, columns, counts, row_total, pre = backend.pack(x, weights[0], bias, config)
     heavy = heavy_rows(counts, config, f)
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
     # Heavy rows are the backup's: the sparse products skip them entirely. A light row holds
-    # at most max_row_nnz entries, so the lists (and the residuals) keep only that many slots.
-    light_slots = min(gate_values.shape[1], config.max_row_nnz(f))
-    row_nnz = jnp.where(heavy, 0, row_nnz)
-    gate_values = jnp.where(heavy[:, None], 0, gate_values[:, :light_slots])
-    columns = columns[:, :light_slots]
+    # at most max_row_nnz entries, so the lists (and the residuals) keep only that many slots;
+    # entries past a row's count are zeroed (the backends leave them unspecified).
+    light_slots = min(values.shape[1], config.max_row_nnz(f))
+    row_nnz = jnp.where(heavy, 0, jnp.minimum(row_total, light_slots))
+    valid = jnp.arange(light_slots, dtype=jnp.int32)[None, :] < row_nnz[:, None]
+    gate_values = jnp.where(valid, values[:, :light_slots], 0)
+    columns = jnp.where(valid, columns[:, :light_slots], 0)
     sizes = _backup_sizes(m, config)
     overflow = num_heavy > (sizes[-1] if sizes else 0)
     dense = overflow
@@ -230,10 +203,10 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     def sparse_branch():
         if gated:
             _, w_up, w_down = weights
-            y, up_values = backend.gated_up_down(x, w_up.T, w_down, gate_values, columns, row_nnz)
+            y, up_values = backend.up_down(x, w_up.T, w_down, gate_values, columns, row_nnz)
             h = gate_values.astype(_F32) * up_values
         else:
-            y = backend.sparse_dot(gate_values, columns, row_nnz, weights[-1])
+            y, _ = backend.up_down(None, None, weights[-1], gate_values, columns, row_nnz)
             up_values = jnp.zeros((m, 0), _F32)
             h = gate_values.astype(_F32)
         l1_sum = jnp.sum(jnp.abs(h))  # unused entries hold 0
@@ -248,10 +221,10 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
         return y_out, l1, up_values
 
     def dense_branch():
-        if dense_gate is None:
+        if pre is None:
             y, l1_rows, _ = _dense_rows(x, weights, bias, gated)
         else:  # the backend already paid for the gate GEMM: reuse its output
-            y, l1_rows = _dense_from_gate(x, dense_gate, weights, gated)
+            y, l1_rows = _dense_from_pre(x, pre, weights, gated)
         up_shape = (m, gate_values.shape[1] if gated else 0)
         return y, jnp.sum(l1_rows), jnp.zeros(up_shape, _F32)
 
@@ -297,26 +270,24 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
         return jnp.zeros((f,), _F32).at[dest].add(jnp.where(valid, d_pre, 0.0), mode="drop")
 
     def sparse_branch():
-        dh = backend.sampled_dot(dy, weights[-1], r.columns, r.row_nnz)
         g = r.gate_values.astype(_F32)
-        h = g * r.up_values if gated else g
-        dh = dh + l1_ct * jnp.sign(h)  # unused entries: h = 0, sign 0
+
         def outer(values, b):  # the transposed products, one [F, D] per values array
             return backend.sparse_outer(values, r.columns, r.row_nnz, b, f)
 
-        (d_w_down,) = outer((h,), dy)
         if gated:
-            w_gate, w_up, _ = weights
-            du = dh * g
-            dg = dh * r.up_values
-            dx = (backend.sparse_dot(du, r.columns, r.row_nnz, w_up.T)
-                  + backend.sparse_dot(dg, r.columns, r.row_nnz, w_gate.T))
+            w_gate, w_up, w_down = weights
+            dx, du, dg = backend.row_backward(dy, w_down, w_up.T, w_gate.T, r.gate_values,
+                                              r.up_values, r.columns, r.row_nnz, l1_ct)
+            (d_w_down,) = outer((g * r.up_values,), dy)
             d_w_gate, d_w_up = outer((dg, du), x)  # one pass over x serves both
             d_weights = (d_w_gate.T, d_w_up.T, d_w_down)
             d_bias = bias_grad(dg)
         else:
-            w_up, _ = weights
-            dx = backend.sparse_dot(dh, r.columns, r.row_nnz, w_up.T)
+            w_up, w_down = weights
+            dx, dh, _ = backend.row_backward(dy, w_down, w_up.T, None, r.gate_values, None,
+                                             r.columns, r.row_nnz, l1_ct)
+            (d_w_down,) = outer((g,), dy)
             (d_w_up,) = outer((dh,), x)
             d_weights = (d_w_up.T, d_w_down)
             d_bias = bias_grad(dh)

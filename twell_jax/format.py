@@ -29,7 +29,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.pack_rows import compact_rows
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 
 
@@ -55,6 +54,27 @@ def pack_tiles(h: jax.Array, tile_width: int, slots_per_tile: int):
     return values, columns, counts
 
 
+def row_compact(values: jax.Array, columns: jax.Array, counts: jax.Array, slots_per_tile: int):
+    """Per-tile slots -> one list per row (the form the up/down kernels consume), in plain jnp.
+
+    Args:
+      values, columns: [M, n_tiles, S]; counts: [M, n_tiles] (true counts, may exceed S).
+    Returns:
+      ``(values [M, K], columns [M, K] int32, row_nnz [M] int32)`` with K = n_tiles * S; each
+      row's stored entries in column order at the front, zeros after.
+    """
+    m, num_tiles, s = values.shape
+    k = num_tiles * s
+    kept = jnp.minimum(counts, slots_per_tile)
+    start = jnp.cumsum(kept, axis=1) - kept  # exclusive prefix over tiles
+    slot = jnp.arange(s, dtype=jnp.int32)
+    dest = jnp.where(slot < kept[..., None], start[..., None] + slot, k)  # k = dropped
+    row = jnp.broadcast_to(jnp.arange(m)[:, None, None], dest.shape)
+    out_values = jnp.zeros((m, k), values.dtype).at[row, dest].set(values, mode="drop")
+    out_columns = jnp.zeros((m, k), jnp.int32).at[row, dest].set(columns, mode="drop")
+    return out_values, out_columns, kept.sum(axis=1, dtype=jnp.int32)
+
+
 def heavy_rows(counts: jax.Array, config: TwELLConfig, d_ff: int) -> jax.Array:
     """[M] bool: rows with more than S non-zeros in some tile, or too many in all."""
     over_tile = jnp.any(counts > config.slots_per_tile, axis=-1)
@@ -67,9 +87,6 @@ def heavy_row_index(heavy: jax.Array, capacity: int) -> jax.Array:
     (index,) = jnp.nonzero(heavy, size=capacity, fill_value=m)
     return index.astype(jnp.int32)
 
-
-# Per-tile slots -> row lists [M, K] + row_nnz (the form the up/down kernels consume).
-row_compact = compact_rows
 
 
 def tiles_to_dense(values: jax.Array, columns: jax.Array, counts: jax.Array, d_ff: int) -> jax.Array:

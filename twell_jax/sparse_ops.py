@@ -11,8 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sampled_dot import sampled_dot_reference
-from pallas_kernels.sparse_down import sparse_down_reference
+from pallas_kernels.row_up_down import row_up_down_reference
 from pallas_kernels.sparse_outer import sparse_outer_reference
 
 _F32 = jnp.float32
@@ -22,18 +21,26 @@ def sampled_dot(a: jax.Array, w: jax.Array, columns: jax.Array, row_nnz: jax.Arr
     """out[m, k] = a[m] . w[columns[m, k]] for k < row_nnz[m], else 0.
 
     a: [M, D]; w: [F, D]; columns: [M, K] int32; row_nnz: [M] int32. Returns [M, K] float32.
-    (The ``sampled_dot`` kernel's reference.)
     """
-    return sampled_dot_reference(a, w, columns, row_nnz)
+    m, k = columns.shape
+    nnz = jnp.clip(row_nnz, 0, k)
+    a32 = a.astype(_F32)
+
+    def step(kk, out):
+        valid = kk < nnz
+        rows = w[jnp.where(valid, columns[:, kk], 0)].astype(_F32)
+        return out.at[:, kk].set(jnp.where(valid, jnp.sum(a32 * rows, axis=1), 0.0))
+
+    return jax.lax.fori_loop(0, jnp.max(nnz, initial=0), step, jnp.zeros((m, k), _F32))
 
 
 def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array, w: jax.Array) -> jax.Array:
     """out[m] = sum_{k < row_nnz[m]} values[m, k] * w[columns[m, k]].
 
     values: [M, K]; columns: [M, K] int32; row_nnz: [M]; w: [F, D]. Returns [M, D] float32.
-    (The ``sparse_down`` kernel's reference.)
+    (The reference of ``row_up_down``'s non-gated form.)
     """
-    return sparse_down_reference(values, columns, row_nnz, w, out_dtype=_F32)
+    return row_up_down_reference(None, None, w, values, columns, row_nnz, out_dtype=_F32)[0]
 
 
 def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax.Array,

@@ -1,0 +1,188 @@
+"""The FFN backward's per-row products on row lists, one program per token row.
+
+For each row m and valid entry k < row_nnz[m] (j = columns[m, k], g = gate_values[m, k]), with
+dy the output cotangent and ``l1`` the cotangent of the L1 statistic's per-entry |h| term:
+
+    dh = dy[m] . w_down[j] + l1 * sign(h)            h = g * u[m, k] (gated) or g
+    gated:      du = dh * g,  dg = dh * u[m, k],     dx[m] += du * w_up_t[j] + dg * w_gate_t[j]
+    non-gated:                                       dx[m] += dh * w_up_t[j]
+
+Outputs dx [M, D] and the per-entry gradients (du, dg) [M, K] float32 (gated) or dh (non-gated),
+which the transposed products (dW) and the bias gradient consume. All weights are feature-major
+[F, D], so each entry reads three (gated) or two contiguous D-rows. The same decomposition as
+``row_up_down``: the dy row and the fp32 dx row stay in registers, one reduction per entry.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import next_pow2, resolve_interpret
+from pallas_kernels.row_up_down import RowUpDownConfig, default_row_up_down_config
+
+
+def _row_backward_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, width: int,
+                         gated: bool):
+    """One program: row ``program_id(0)``. Refs: dy [M, D], w_down [F, D], w_up_t [F, D],
+    [w_gate_t [F, D]], gate_values [M, K], [up [M, K]], columns [M, K], row_nnz [M],
+    l1 [1] float32; outputs dx [M, D], d1 [M, width], [d2 [M, width]] (gated only)."""
+    if gated:
+        (dy_ref, w_down_ref, w_up_ref, w_gate_ref, g_ref, u_ref, columns_ref, nnz_ref, l1_ref,
+         dx_ref, d1_ref, d2_ref) = refs
+    else:
+        (dy_ref, w_down_ref, w_up_ref, g_ref, columns_ref, nnz_ref, l1_ref, dx_ref,
+         d1_ref) = refs
+    row = pl.program_id(0)
+    nnz = jnp.clip(nnz_ref[row], 0, num_slots)
+    chunks = [pl.ds(c * block_d, block_d) for c in range(num_chunks)]
+    slot = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+    dy_chunks = [dy_ref[row, ch].astype(jnp.float32) for ch in chunks]
+    l1 = l1_ref[0]
+
+    def step(k, carry):
+        accs, d1, d2 = carry
+        j = columns_ref[row, k]
+        g = g_ref[row, k].astype(jnp.float32)
+        prod = dy_chunks[0] * w_down_ref[j, chunks[0]].astype(jnp.float32)
+        for c in range(1, num_chunks):
+            prod = prod + dy_chunks[c] * w_down_ref[j, chunks[c]].astype(jnp.float32)
+        dh = jnp.sum(prod)
+        if gated:
+            u = u_ref[row, k]
+            dh = dh + l1 * jnp.sign(g * u)
+            du, dg = dh * g, dh * u
+            d1 = jnp.where(slot == k, du, d1)
+            d2 = jnp.where(slot == k, dg, d2)
+            accs = tuple(acc + du * w_up_ref[j, ch].astype(jnp.float32)
+                         + dg * w_gate_ref[j, ch].astype(jnp.float32)
+                         for acc, ch in zip(accs, chunks))
+        else:
+            dh = dh + l1 * jnp.sign(g)
+            d1 = jnp.where(slot == k, dh, d1)
+            accs = tuple(acc + dh * w_up_ref[j, ch].astype(jnp.float32)
+                         for acc, ch in zip(accs, chunks))
+        return accs, d1, d2
+
+    zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in chunks)
+    zero_slots = jnp.zeros((width,), jnp.float32)
+    accs, d1, d2 = jax.lax.fori_loop(0, nnz, step, (zeros, zero_slots, zero_slots))
+    for acc, ch in zip(accs, chunks):
+        dx_ref[row, ch] = acc.astype(dx_ref.dtype)
+    d1_ref[row, :] = d1  # 0 past row_nnz
+    if gated:
+        d2_ref[row, :] = d2
+
+
+def _check_args(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns, row_nnz):
+    m, d = dy.shape
+    f = w_down.shape[0]
+    for name, w in (("w_down", w_down), ("w_up_t", w_up_t), ("w_gate_t", w_gate_t)):
+        if w is not None and w.shape != (f, d):
+            raise ValueError(f"{name} has shape {w.shape}, expected ({f}, {d})")
+    if gate_values.ndim != 2 or gate_values.shape[0] != m or columns.shape != gate_values.shape:
+        raise ValueError(f"gate_values {gate_values.shape} and columns {columns.shape} must "
+                         f"both be ({m}, K)")
+    if (w_gate_t is None) != (up_values is None):
+        raise ValueError("the gated form takes both w_gate_t and up_values, the non-gated "
+                         "form neither")
+    if up_values is not None and up_values.shape != gate_values.shape:
+        raise ValueError(f"up_values has shape {up_values.shape}, expected "
+                         f"{gate_values.shape}")
+    if row_nnz.shape != (m,):
+        raise ValueError(f"row_nnz has shape {row_nnz.shape}, expected ({m},)")
+    if columns.dtype != jnp.int32 or row_nnz.dtype != jnp.int32:
+        raise ValueError(f"columns and row_nnz must be int32, got {columns.dtype} and "
+                         f"{row_nnz.dtype}")
+    return m, gate_values.shape[1], d
+
+
+def row_backward(
+    dy: jax.Array,
+    w_down: jax.Array,
+    w_up_t: jax.Array,
+    w_gate_t: jax.Array | None,
+    gate_values: jax.Array,
+    up_values: jax.Array | None,
+    columns: jax.Array,
+    row_nnz: jax.Array,
+    l1: jax.Array,
+    *,
+    config: RowUpDownConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Per-row backward of the gated (w_gate_t, up_values given) or non-gated FFN.
+
+    Args:
+      dy: [M, D] output cotangent. w_down, w_up_t, w_gate_t: [F, D] (feature-major).
+      gate_values: [M, K] g (gated) or h (non-gated); up_values: [M, K] float32 u, or None.
+      columns: [M, K] int32; row_nnz: [M] int32 (entries past it never read).
+      l1: [] float32, the L1 term's coefficient on sign(h) per entry.
+      config: ``RowUpDownConfig`` (its knobs mean the same here; block_d must divide D).
+    Returns:
+      ``(dx [M, D] float32, du or dh [M, K] float32, dg [M, K] float32 or None)``, 0 past each
+      row's count.
+    """
+    gated = w_gate_t is not None
+    m, k, d = _check_args(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
+                          row_nnz)
+    config = default_row_up_down_config(d) if config is None else config
+    if d % config.block_d:
+        raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
+    width = next_pow2(max(k, 1))
+    kernel = functools.partial(_row_backward_kernel, block_d=config.block_d,
+                               num_chunks=d // config.block_d, num_slots=k, width=width,
+                               gated=gated)
+    slots = jax.ShapeDtypeStruct((m, width), jnp.float32)
+    out_shape = (jax.ShapeDtypeStruct((m, d), jnp.float32),) + ((slots, slots) if gated
+                                                                 else (slots,))
+    l1 = jnp.reshape(jnp.asarray(l1, jnp.float32), (1,))
+    inputs = ((dy, w_down, w_up_t, w_gate_t, gate_values, up_values) if gated
+              else (dy, w_down, w_up_t, gate_values))
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(m,),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=resolve_interpret(interpret),
+        name="twell_row_backward",
+    )(*inputs, columns, row_nnz, l1)
+    if gated:
+        return outs[0], outs[1][:, :k], outs[2][:, :k]
+    return outs[0], outs[1][:, :k], None
+
+
+def row_backward_reference(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
+                           row_nnz, l1):
+    """Plain-jnp :func:`row_backward` (same arguments and outputs), one slot at a time."""
+    gated = w_gate_t is not None
+    m, k, d = _check_args(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
+                          row_nnz)
+    nnz = jnp.clip(row_nnz, 0, k)
+    f32 = lambda a: a.astype(jnp.float32)
+    l1 = jnp.asarray(l1, jnp.float32)
+
+    def step(kk, carry):
+        dx, d1, d2 = carry
+        valid = kk < nnz
+        j = jnp.where(valid, columns[:, kk], 0)
+        g = jnp.where(valid, f32(gate_values[:, kk]), 0.0)
+        dh = jnp.sum(f32(dy) * f32(w_down[j]), axis=1)
+        if gated:
+            u = jnp.where(valid, up_values[:, kk], 0.0)
+            dh = jnp.where(valid, dh + l1 * jnp.sign(g * u), 0.0)
+            du, dg = dh * g, dh * u
+            dx = dx + du[:, None] * f32(w_up_t[j]) + dg[:, None] * f32(w_gate_t[j])
+            return dx, d1.at[:, kk].set(du), d2.at[:, kk].set(dg)
+        dh = jnp.where(valid, dh + l1 * jnp.sign(g), 0.0)
+        return dx + dh[:, None] * f32(w_up_t[j]), d1.at[:, kk].set(dh), d2
+
+    zeros = jnp.zeros((m, k), jnp.float32)
+    init = (jnp.zeros((m, d), jnp.float32), zeros, zeros)
+    dx, d1, d2 = jax.lax.fori_loop(0, jnp.max(nnz, initial=0), step, init)
+    return dx, d1, (d2 if gated else None)

@@ -1,0 +1,210 @@
+"""The one-program-per-row kernels (``row_pack``, ``row_up_down``) against their jnp references
+and against independent numpy loops, in interpret mode on the CPU (compiled on a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.row_pack import RowPackConfig, row_pack, row_pack_reference
+from pallas_kernels.row_up_down import RowUpDownConfig, row_up_down, row_up_down_reference
+from tests.test_kernels import assert_close, seed_of
+
+DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+
+
+# --------------------------------------------------------------------------------------------
+# row_pack
+
+
+def make_pre(m: int, f: int, pattern: str, dtype, rng) -> np.ndarray:
+    """Pre-activations [m, f] whose rows mix the patterns: ~3% positive, heavy-tailed (a
+    lognormal per-row offset), all <= 0, all > 0; a NaN in one row."""
+    z = rng.standard_normal((m, f))
+    if pattern == "uniform":
+        pre = z - 1.9
+    else:  # heavy-tailed: most rows very sparse, a few nearly dense
+        pre = z - 2.5 + np.exp(1.2 * rng.standard_normal((m, 1)))
+    pre[1] = -np.abs(pre[1]) - 0.1  # all-zero row
+    pre[2] = np.abs(pre[2]) + 0.1  # dense row
+    pre[3, f // 3] = np.nan
+    return np.asarray(jnp.asarray(pre, dtype).astype(jnp.float32))
+
+
+def numpy_pack(pre: np.ndarray, bias, tile_width: int, num_slots: int):
+    """Independent loop: (list of per-row (columns, values) for the first num_slots positives,
+    counts [M, F / T], totals [M])."""
+    gate = pre + (0.0 if bias is None else bias[None, :])
+    lists, counts, totals = [], [], []
+    for row in gate:
+        positive = ~(row <= 0)
+        cols = np.nonzero(positive)[0]
+        lists.append((cols[:num_slots], row[cols[:num_slots]]))
+        counts.append(positive.reshape(-1, tile_width).sum(axis=1))
+        totals.append(positive.sum())
+    return lists, np.asarray(counts), np.asarray(totals)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", ["uniform", "heavy"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m,f,t,k,config", [
+    (6, 256, 64, 12, RowPackConfig(block_m=1, chunk=128, num_warps=1)),
+    (16, 384, 128, 20, None),  # 3 chunks of 128
+    (12, 512, 32, 7, RowPackConfig(block_m=4, chunk=256, num_warps=2, num_stages=1)),
+])
+def test_row_pack_matches_numpy_and_reference(m, f, t, k, config, with_bias, pattern, dtype):
+    rng = np.random.default_rng(seed_of("row_pack", m, f, t, k, with_bias, pattern, str(dtype)))
+    pre = make_pre(m, f, pattern, dtype, rng)
+    bias = rng.standard_normal(f).astype(np.float32) * 0.3 if with_bias else None
+    jbias = None if bias is None else jnp.asarray(bias)
+    values, columns, counts, totals = row_pack(jnp.asarray(pre, dtype), jbias, tile_width=t,
+                                               num_slots=k, config=config)
+    lists, want_counts, want_totals = numpy_pack(pre, bias, t, k)
+    np.testing.assert_array_equal(np.asarray(counts), want_counts)
+    np.testing.assert_array_equal(np.asarray(totals), want_totals)
+    assert values.dtype == dtype and values.shape == (m, k) and columns.shape == (m, k)
+    for i, (cols, vals) in enumerate(lists):
+        n = len(cols)
+        np.testing.assert_array_equal(np.asarray(columns[i, :n]), cols)
+        want = np.asarray(jnp.asarray(vals, dtype).astype(jnp.float32))
+        np.testing.assert_array_equal(np.asarray(values[i, :n].astype(jnp.float32)), want)
+    ref = row_pack_reference(jnp.asarray(pre, dtype), jbias, tile_width=t, num_slots=k)
+    valid = np.arange(k)[None, :] < np.minimum(want_totals, k)[:, None]
+    for got, expected in zip((values, columns), ref[:2]):
+        np.testing.assert_array_equal(np.where(valid, np.asarray(got, np.float32), 0),
+                                      np.asarray(expected, np.float32))
+    np.testing.assert_array_equal(np.asarray(ref[2]), want_counts)
+
+
+def test_row_pack_propagates_nan():
+    pre = np.full((4, 128), -1.0, np.float32)
+    pre[0, 5] = np.nan
+    values, columns, _, totals = row_pack(jnp.asarray(pre), tile_width=64, num_slots=4)
+    assert int(totals[0]) == 1 and int(columns[0, 0]) == 5 and np.isnan(float(values[0, 0]))
+    assert int(totals[1:].sum()) == 0
+
+
+def test_row_pack_rejects_bad_input():
+    pre = jnp.zeros((4, 256), jnp.float32)
+    with pytest.raises(ValueError, match="tile_width"):
+        row_pack(pre, tile_width=96, num_slots=4)
+    with pytest.raises(ValueError, match="chunk"):
+        row_pack(pre, tile_width=128, num_slots=4, config=RowPackConfig(chunk=512))
+    with pytest.raises(ValueError, match="block_m"):
+        row_pack(pre, tile_width=64, num_slots=4, config=RowPackConfig(block_m=8, chunk=64))
+    with pytest.raises(ValueError, match="bias"):
+        row_pack(pre, jnp.zeros((256,), jnp.bfloat16), tile_width=64, num_slots=4)
+    with pytest.raises(ValueError, match="num_slots"):
+        row_pack(pre, tile_width=64, num_slots=0)
+    with pytest.raises(ValueError, match="power of two"):
+        RowPackConfig(chunk=96)
+
+
+# --------------------------------------------------------------------------------------------
+# row_up_down
+
+
+def make_lists(m, d, f, k, dtype, rng, *, garbage: bool):
+    """x, w_up_t, w_down, gate values, columns, row_nnz: per-row counts 0..k+2 (past K:
+    clipped), a hot column shared by every row, and (with ``garbage``) NaN values and
+    out-of-range columns past each row's count, which the kernel must never read."""
+    x = rng.standard_normal((m, d))
+    w_up_t = rng.standard_normal((f, d)) / np.sqrt(d)
+    w_down = rng.standard_normal((f, d)) / np.sqrt(k)
+    columns = np.stack([rng.permutation(f)[:k] for _ in range(m)]).astype(np.int32)
+    columns[:, 0] = 7  # a hot column
+    gate = rng.random((m, k)) + 0.1
+    row_nnz = rng.integers(0, k + 3, size=m).astype(np.int32)
+    row_nnz[0], row_nnz[-1] = 0, k
+    if garbage:
+        past = np.arange(k)[None, :] >= row_nnz[:, None]
+        gate = np.where(past, np.nan, gate)
+        columns = np.where(past, f + 1000, columns).astype(np.int32)
+    as_dtype = lambda a: jnp.asarray(a, dtype)
+    return (as_dtype(x), as_dtype(w_up_t), as_dtype(w_down), as_dtype(gate),
+            jnp.asarray(columns), jnp.asarray(row_nnz))
+
+
+def numpy_up_down(x, w_up_t, w_down, gate, columns, row_nnz, gated: bool):
+    f64 = lambda a: None if a is None else np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    x, w_up_t, w_down, gate = map(f64, (x, w_up_t, w_down, gate))
+    columns, row_nnz = np.asarray(columns), np.asarray(row_nnz)
+    m, k = gate.shape
+    y, up = np.zeros((m, w_down.shape[1])), np.zeros((m, k))
+    for i in range(m):
+        for kk in range(min(max(row_nnz[i], 0), k)):
+            j = columns[i, kk]
+            h = gate[i, kk]
+            if gated:
+                up[i, kk] = x[i] @ w_up_t[j]
+                h = h * up[i, kk]
+            y[i] += h * w_down[j]
+    return y, up
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m,d,f,k,config", [
+    (8, 64, 96, 5, None),
+    (13, 192, 200, 17, None),  # D = 3 chunks of 64, awkward M, F, K
+    (6, 256, 64, 9, RowUpDownConfig(block_d=128, num_warps=2, num_stages=2)),
+    (13, 192, 200, 17, RowUpDownConfig(block_d=64)),
+])
+def test_row_up_down_matches_numpy_and_reference(m, d, f, k, config, gated, dtype):
+    rng = np.random.default_rng(seed_of("row_up_down", m, d, f, k, gated, str(dtype)))
+    x, w_up_t, w_down, gate, columns, row_nnz = make_lists(m, d, f, k, dtype, rng, garbage=True)
+    if not gated:
+        x = w_up_t = None
+    y, up = row_up_down(x, w_up_t, w_down, gate, columns, row_nnz, config=config)
+    want_y, want_up = numpy_up_down(x, w_up_t, w_down, gate, columns, row_nnz, gated)
+    assert y.dtype == dtype and y.shape == (m, d)
+    assert_close(y, want_y, dtype, "y")
+    if gated:
+        assert up.dtype == jnp.float32 and up.shape == (m, k)
+        assert_close(up, want_up, jnp.float32 if dtype == jnp.float32 else dtype, "up")
+        past = np.arange(k)[None, :] >= np.asarray(row_nnz)[:, None]
+        assert np.all(np.asarray(up)[past] == 0.0)  # 0 past each row's count
+    else:
+        assert up is None
+    clean = make_lists(m, d, f, k, dtype, np.random.default_rng(1), garbage=False)
+    if not gated:
+        clean = (None, None) + clean[2:]
+    ref_y, ref_up = row_up_down_reference(*clean)
+    got_y, got_up = row_up_down(*clean, config=config)
+    assert_close(got_y, ref_y, dtype, "y vs reference")
+    if gated:
+        assert_close(got_up, ref_up, jnp.float32, "up vs reference")
+
+
+def test_row_up_down_out_dtype_and_nan_propagation():
+    rng = np.random.default_rng(3)
+    x, w_up_t, w_down, gate, columns, row_nnz = make_lists(4, 64, 32, 4, jnp.float32, rng,
+                                                           garbage=False)
+    row_nnz = jnp.full((4,), 4, jnp.int32)
+    x = x.at[1, 3].set(jnp.nan)
+    y, up = row_up_down(x, w_up_t, w_down, gate, columns, row_nnz, out_dtype=jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    assert bool(jnp.all(jnp.isnan(y[1]))) and bool(jnp.all(jnp.isnan(up[1])))
+    assert bool(jnp.all(jnp.isfinite(y[jnp.array([0, 2, 3])])))
+
+
+def test_row_up_down_rejects_bad_input():
+    rng = np.random.default_rng(4)
+    x, w_up_t, w_down, gate, columns, row_nnz = make_lists(4, 64, 32, 4, jnp.float32, rng,
+                                                           garbage=False)
+    with pytest.raises(ValueError, match="x has shape"):
+        row_up_down(x[:, :32], w_up_t, w_down, gate, columns, row_nnz)
+    with pytest.raises(ValueError, match="w_up_t"):
+        row_up_down(x, w_up_t[:16], w_down, gate, columns, row_nnz)
+    with pytest.raises(ValueError, match="int32"):
+        row_up_down(x, w_up_t, w_down, gate, columns.astype(jnp.int16), row_nnz)
+    with pytest.raises(ValueError, match="row_nnz"):
+        row_up_down(x, w_up_t, w_down, gate, columns, row_nnz[:2])
+    with pytest.raises(ValueError, match="non-gated"):
+        row_up_down(None, w_up_t, w_down, gate, columns, row_nnz)
+    with pytest.raises(ValueError, match="block_d"):
+        row_up_down(x, w_up_t, w_down, gate, columns, row_nnz,
+                    config=RowUpDownConfig(block_d=128))

@@ -1,0 +1,26 @@
+"""Dense building blocks shared by the ops and the backends."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_K_MULTIPLE = 64  # the GEMM's contraction length is padded to this (tensor-core friendly)
+
+
+def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """``x @ w + bias`` [M, F] in x.dtype, float32 accumulation inside the GEMM.
+
+    The GEMM emits x.dtype directly, as a plain Flax layer does (half the bytes of a float32
+    output). A bias is folded into the GEMM as one more contraction row (``[x, 1] @ [w; b]``,
+    zero-padded to a multiple of 64), so the sum is rounded once: a threshold bias cancels
+    most of ``x @ w`` for the active units, and adding it after rounding ``x @ w`` to bf16
+    would lose the gate's low bits (5-10% gradient errors on small test problems), while a
+    float32 GEMM output plus a separate add pass costs ~0.5 ms per call at M = 16384."""
+    if bias is None:
+        return jnp.dot(x, w)
+    m, d = x.shape
+    pad = _K_MULTIPLE - d % _K_MULTIPLE
+    ones = jnp.zeros((m, pad), x.dtype).at[:, 0].set(1)
+    rows = jnp.zeros((pad, w.shape[1]), w.dtype).at[0].set(bias.astype(w.dtype))
+    return jnp.dot(jnp.concatenate([x, ones], axis=1), jnp.concatenate([w, rows], axis=0))
