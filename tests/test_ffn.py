@@ -201,12 +201,17 @@ def test_pallas_threshold_row_or_bias_compute_the_same_function():
     assert_close(y_bias, expected, jnp.bfloat16, what="with b_gate")
 
 
-@pytest.mark.parametrize("m,nnz,dense", [(16384, 28, False), (16384, 60, True),
-                                          (8, 600, False), (8, 8000, True)])
-def test_cost_model_chooses_dense_only_when_cheaper(monkeypatch, m, nnz, dense):
+@pytest.mark.parametrize("m,nnz,heavy_fraction,dense", [
+    (16384, 28, 0.0, False), (16384, 60, 0.0, True),  # light rows: gathers against GEMMs
+    (16384, 28, 0.2, False),  # a heavy tail in the backup: still sparse
+    (16384, 114, 1.0, True),  # every row heavy (2% uniform): dense reuses the gate GEMM
+    (8, 28, 0.0, False), (8, 600, 1.0, True)])  # decode sizes: weight reads dominate
+def test_cost_model_chooses_dense_only_when_cheaper(monkeypatch, m, nnz, heavy_fraction, dense):
     monkeypatch.setattr(ffn, "default_interpret", lambda: False)  # as on a GPU
     x = jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16)
-    assert bool(ffn._cheaper_dense(jnp.float32(nnz), x, 5632, tj.TwELLConfig())) == dense
+    heavy = jnp.arange(m) < int(heavy_fraction * m)
+    row_nnz = jnp.full((m,), nnz, jnp.int32)
+    assert bool(ffn._cheaper_dense(row_nnz, heavy, x, 5632, tj.TwELLConfig())) == dense
 
 
 def test_decode_sizes_run_dense_on_gpu_but_sparse_in_interpret_mode(monkeypatch):

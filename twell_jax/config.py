@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 
 def _is_power_of_two(n: int) -> bool:
     return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
@@ -13,14 +15,17 @@ def _is_power_of_two(n: int) -> bool:
 class CostModel:
     """Device rates for choosing between sparse and dense up/down projections.
 
-    Defaults measured on the H100 (BENCHMARKS.md, bf16, M = 16384, D = 2048, F = 5632):
-    XLA's dense GEMM ran at ~650 TFLOP/s; the up/down gathers (``sampled_dot`` then
-    ``sparse_down``) moved weight rows at ~3.5 TB/s; device memory copies at ~3.0 TB/s; and the
-    sparse path costs ~0.3 ms per call whatever the batch (0.26-0.34 ms measured at M = 1).
+    Defaults measured on the H100 (BENCHMARKS.md, bf16, M = 16384): XLA's dense GEMM at ~650
+    TFLOP/s; ``row_up_down`` reads gathered weight rows at ~5.4 TB/s while the two weight
+    matrices fit in L2 (D = 2048, F = 5632: 46 MB) and ~2.6 TB/s from HBM (D = 4096, F =
+    14336); device memory copies at ~3.0 TB/s; and the sparse path costs ~0.3 ms per call
+    whatever the batch (0.26-0.34 ms measured at M = 1).
     """
 
     gemm_flops_per_s: float = 6.5e14
-    gather_bytes_per_s: float = 3.5e12
+    gather_bytes_per_s: float = 5.0e12
+    gather_hbm_bytes_per_s: float = 2.6e12
+    l2_bytes: float = 5.0e7  # up and down weights up to this size are gathered from L2 (H100)
     memory_bytes_per_s: float = 3.0e12
     sparse_fixed_seconds: float = 3.0e-4
 
@@ -33,9 +38,15 @@ class CostModel:
         return max(4.0 * m * d * f / self.gemm_flops_per_s,
                    2.0 * d * f * itemsize / self.memory_bytes_per_s)
 
-    def sparse_up_down_seconds(self, m: int, d: int, nnz_per_row, itemsize: int):
-        """Gathering two weight rows of d elements per active unit (works on traced nnz)."""
-        return m * nnz_per_row * 2.0 * d * itemsize / self.gather_bytes_per_s
+    def sparse_up_down_seconds(self, d: int, f: int, light_nnz, num_heavy, itemsize: int):
+        """The sparse up/down: two gathered weight rows of d elements per entry of a light row
+        (``light_nnz`` entries in all), plus the dense backup's three GEMMs on ``num_heavy``
+        rows (their math or their weight reads, whichever is larger). Works on traced counts."""
+        weights = 2.0 * d * f * itemsize
+        rate = self.gather_bytes_per_s if weights <= self.l2_bytes else self.gather_hbm_bytes_per_s
+        backup = jnp.maximum(num_heavy * 6.0 * d * f / self.gemm_flops_per_s,
+                             1.5 * weights / self.memory_bytes_per_s)
+        return light_nnz * 2.0 * d * itemsize / rate + jnp.where(num_heavy > 0, backup, 0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,8 +75,8 @@ class TwELLConfig:
       dense_fallback_density: only for ``implementation="pallas"``: when the whole batch is
         cheaper dense, the up/down projections run as dense GEMMs (decided on the device from
         the counts, after the gate). ``None`` (default): decided by ``cost_model`` from the
-        batch's mean active units per token and M (at M = 16384, D = 2048 the break-even is
-        ~30 of 5632 units), and, from the shapes alone, the whole call runs dense when the
+        light rows' entries and the heavy rows' count (at M = 16384, D = 2048 light rows break
+        even near 44 of 5632 units), and, from the shapes alone, the whole call runs dense when the
         sparse path's fixed cost exceeds the dense FFN (decode sizes on the H100). The cost
         model applies only to compiled kernels: in interpret mode (no GPU) the sparse path
         always runs. A float: dense when the mean fraction of active units exceeds it

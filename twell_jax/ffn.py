@@ -141,17 +141,22 @@ def _cost_model_decides(config: TwELLConfig) -> bool:
     return config.dense_fallback_density is None and not default_interpret()
 
 
-def _cheaper_dense(mean_nnz: jax.Array, x: jax.Array, f: int, config: TwELLConfig) -> jax.Array:
-    """[] bool: would dense up/down GEMMs beat the sparse gathers for this batch?"""
+def _cheaper_dense(row_nnz_all: jax.Array, heavy: jax.Array, x: jax.Array, f: int,
+                   config: TwELLConfig) -> jax.Array:
+    """[] bool: would dense up/down GEMMs beat the sparse path (gathers for the light rows,
+    the dense backup for the heavy ones) on this batch? ``row_nnz_all`` [M] true counts,
+    ``heavy`` [M] bool."""
     if config.dense_fallback_density is not None:
-        return mean_nnz > config.dense_fallback_density * f
+        return jnp.mean(row_nnz_all.astype(_F32)) > config.dense_fallback_density * f
     if not _cost_model_decides(config):
         return jnp.asarray(False)
     m, d = x.shape
     itemsize = jnp.dtype(x.dtype).itemsize
     cost = config.cost_model
-    return cost.sparse_up_down_seconds(m, d, mean_nnz, itemsize) > cost.dense_up_down_seconds(
-        m, d, f, itemsize)
+    light_nnz = jnp.sum(jnp.where(heavy, 0, row_nnz_all).astype(_F32))
+    num_heavy = jnp.sum(heavy.astype(_F32))
+    sparse = cost.sparse_up_down_seconds(d, f, light_nnz, num_heavy, itemsize)
+    return sparse > cost.dense_up_down_seconds(m, d, f, itemsize)
 
 
 def _sparse_never_pays(m: int, d: int, f: int, dtype, config: TwELLConfig) -> bool:
@@ -198,7 +203,7 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     overflow = num_heavy > (sizes[-1] if sizes else 0)
     dense = overflow
     if implementation == "pallas":
-        dense = dense | _cheaper_dense(jnp.mean(row_nnz_all.astype(_F32)), x, f, config)
+        dense = dense | _cheaper_dense(row_nnz_all, heavy, x, f, config)
 
     def sparse_branch():
         if gated:
