@@ -603,7 +603,8 @@ PAD_TOKEN = -1
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
-    """How ``generate`` picks each token. Frozen, so hashable (a static jit argument).
+    """How ``generate`` picks each token. Frozen, so hashable (a static jit argument; stop
+    tokens are not part of it, so that changing them does not compile again).
 
     Attributes:
       temperature: 0 = greedy (argmax; top_k / top_p are then irrelevant), else logits are
@@ -611,14 +612,11 @@ class Sampling:
       top_k: keep the k most likely tokens (None: all).
       top_p: keep the smallest set of most likely tokens whose probability reaches p (nucleus
         sampling; None or 1: all). Applied after top_k.
-      stop_tokens: token ids that end a sequence; it is returned, the positions after it hold
-        ``PAD_TOKEN``.
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
-    stop_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         t = self.temperature
@@ -631,9 +629,6 @@ class Sampling:
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
                               or not 0 < p <= 1):
             raise ValueError(f"top_p must be None or a number in (0, 1], got {p!r}")
-        if not isinstance(self.stop_tokens, tuple) or not all(
-                isinstance(s, int) and not isinstance(s, bool) for s in self.stop_tokens):
-            raise TypeError(f"stop_tokens must be a tuple of ints, got {self.stop_tokens!r}")
 
     @property
     def greedy(self) -> bool:
@@ -669,7 +664,7 @@ class DecodeState(NamedTuple):
     cache: the ``KVCache``. token: [B] int32, the last token of each sequence (the next decode
     input). done: [B] bool, the sequence sampled a stop token. step: [] int32, tokens sampled
     so far. key: the PRNG key; token i is drawn with ``fold_in(key, i)``, so chunking does not
-    change the samples.
+    change the samples. stop: [V] bool, the stop tokens.
     """
 
     cache: KVCache
@@ -677,27 +672,21 @@ class DecodeState(NamedTuple):
     done: jax.Array
     step: jax.Array
     key: jax.Array
+    stop: jax.Array
 
 
 def _layer_nnz(intermediates: nnx.State, n_layers: int) -> jax.Array:
     return jnp.stack([jnp.asarray(s.nnz_mean, _F32) for s in layer_stats(intermediates, n_layers)])
 
 
-def _stopped(tokens: jax.Array, sampling: Sampling) -> jax.Array:
-    if not sampling.stop_tokens:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(sampling.stop_tokens, jnp.int32))
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len"))
-def _start(graphdef, state, prompts, lengths, key, *, sampling: Sampling, cache_len: int):
+def _start(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling, cache_len: int):
     """Prefill and the first token: (DecodeState, token [B], nnz_mean [n_layers])."""
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(prompts.shape[0], cache_len)
     (logits, cache), inter = nnx.capture(model.prefill, nnx.Intermediate)(prompts, lengths, cache)
     token = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
-    done = _stopped(token, sampling)
-    decode_state = DecodeState(cache, token, done, jnp.ones((), jnp.int32), key)
+    decode_state = DecodeState(cache, token, stop[token], jnp.ones((), jnp.int32), key, stop)
     return decode_state, token, _layer_nnz(inter, model.cfg.n_layers)
 
 
@@ -722,11 +711,11 @@ def _decode(graphdef, state, decode_state: DecodeState, n, *, sampling: Sampling
         (logits, cache), inter = nnx.capture(model.decode_step, nnx.Intermediate)(ds.token,
                                                                                    ds.cache)
         token = sample_logits(logits, jax.random.fold_in(ds.key, ds.step), sampling)
-        token = jnp.where(ds.done, PAD_TOKEN, token)
-        done = ds.done | _stopped(token, sampling)
+        done = ds.done | ds.stop[token]
         # A finished sequence keeps feeding its last token: its outputs are discarded.
         feed = jnp.where(ds.done, ds.token, token)
-        ds = DecodeState(cache, feed, done, ds.step + 1, ds.key)
+        token = jnp.where(ds.done, PAD_TOKEN, token)
+        ds = DecodeState(cache, feed, done, ds.step + 1, ds.key, ds.stop)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
         nnz = jax.lax.dynamic_update_slice(nnz, _layer_nnz(inter, n_layers)[None], (i, 0))
         return i + 1, ds, tokens, nnz
@@ -737,9 +726,9 @@ def _decode(graphdef, state, decode_state: DecodeState, n, *, sampling: Sampling
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "steps"))
-def _generate(graphdef, state, prompts, lengths, key, *, sampling: Sampling, cache_len: int,
-              steps: int):
-    decode_state, first, nnz0 = _start(graphdef, state, prompts, lengths, key,
+def _generate(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
+              cache_len: int, steps: int):
+    decode_state, first, nnz0 = _start(graphdef, state, prompts, lengths, key, stop,
                                        sampling=sampling, cache_len=cache_len)
     if steps == 0:
         return first[:, None], nnz0[None]
@@ -750,9 +739,9 @@ def _generate(graphdef, state, prompts, lengths, key, *, sampling: Sampling, cac
 
 
 def _prepare(model: Transformer, prompts, prompt_lengths, max_new_tokens, sampling: Sampling,
-             key) -> tuple[np.ndarray, np.ndarray, jax.Array, int]:
+             key, stop_tokens) -> tuple[np.ndarray, np.ndarray, jax.Array, np.ndarray, int]:
     """Validates ``generate``'s arguments on the host; returns (prompts [B, T] int32,
-    lengths [B] int32, key, cache length)."""
+    lengths [B] int32, key, stop mask [V] bool, cache length)."""
     cfg = model.cfg
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
             or max_new_tokens < 1:
@@ -796,9 +785,13 @@ def _prepare(model: Transformer, prompts, prompt_lengths, max_new_tokens, sampli
     if valid.min() < 0 or valid.max() >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size}), got "
                          f"[{valid.min()}, {valid.max()}]")
-    for s in sampling.stop_tokens:
+    stop = np.zeros((cfg.vocab_size,), bool)
+    for s in stop_tokens:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"stop_tokens must be ints, got {s!r}")
         if not 0 <= s < cfg.vocab_size:
             raise ValueError(f"stop token {s} is outside the vocabulary [0, {cfg.vocab_size})")
+        stop[s] = True
     # The last token is sampled, never fed back: positions up to T + max_new_tokens - 2.
     cache_len = array.shape[1] + int(max_new_tokens) - 1
     if cache_len > cfg.max_seq_len:
@@ -810,7 +803,7 @@ def _prepare(model: Transformer, prompts, prompt_lengths, max_new_tokens, sampli
             raise ValueError(f"sampling at temperature {sampling.temperature} needs a PRNG key "
                              "(key=jax.random.key(seed))")
         key = jax.random.key(0)  # unused by greedy decoding
-    return array.astype(np.int32), lengths.astype(np.int32), key, cache_len
+    return array.astype(np.int32), lengths.astype(np.int32), key, stop, cache_len
 
 
 def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -847,12 +840,11 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: f
       ValueError / TypeError: for an empty prompt, a prompt that does not fit max_seq_len with
       the new tokens, max_new_tokens < 1, bad sampling settings or sampling without a key.
     """
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
-                        stop_tokens=tuple(stop_tokens))
-    prompts, lengths, key, cache_len = _prepare(model, prompts, prompt_lengths, max_new_tokens,
-                                                sampling, key)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    prompts, lengths, key, stop, cache_len = _prepare(model, prompts, prompt_lengths,
+                                                      max_new_tokens, sampling, key, stop_tokens)
     graphdef, state = nnx.split(model)
-    tokens, nnz = _generate(graphdef, state, prompts, lengths, key, sampling=sampling,
+    tokens, nnz = _generate(graphdef, state, prompts, lengths, key, stop, sampling=sampling,
                             cache_len=cache_len, steps=int(max_new_tokens) - 1)
     return (tokens, {"nnz_mean": nnz}) if return_stats else tokens
 
@@ -868,13 +860,12 @@ def generate_chunks(model: Transformer, prompts, *, max_new_tokens: int, chunk_s
     stop; the stream ends early when all sequences stopped). One compile serves every chunk."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
-                        stop_tokens=tuple(stop_tokens))
-    prompts, lengths, key, cache_len = _prepare(model, prompts, prompt_lengths, max_new_tokens,
-                                                sampling, key)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    prompts, lengths, key, stop, cache_len = _prepare(model, prompts, prompt_lengths,
+                                                      max_new_tokens, sampling, key, stop_tokens)
     graphdef, state = nnx.split(model)
-    decode_state, token, nnz = _start(graphdef, state, prompts, lengths, key, sampling=sampling,
-                                      cache_len=cache_len)
+    decode_state, token, nnz = _start(graphdef, state, prompts, lengths, key, stop,
+                                      sampling=sampling, cache_len=cache_len)
     yield np.asarray(token)[:, None], np.asarray(nnz)[None]
     produced = 1
     while produced < max_new_tokens and not bool(np.all(np.asarray(decode_state.done))):
