@@ -228,6 +228,7 @@ def test_stop_tokens_pad_the_rest():
     (dict(temperature=1.0, top_p=0.0, key=jax.random.key(0)), ValueError, "top_p must be"),
     (dict(temperature=1.0, top_p=1.5, key=jax.random.key(0)), ValueError, "top_p must be"),
     (dict(temperature=1.0), ValueError, "needs a PRNG key"),
+    (dict(temperature=1.0, key=3), TypeError, "key must be a PRNG key"),
     (dict(prompts=[[1, 256]]), ValueError, r"token ids must be in \[0, 256\)"),
     (dict(stop_tokens=[300]), ValueError, "stop token 300 is outside"),
     (dict(prompts=np.ones((2, 3), np.float32)), TypeError, "prompts must be integers"),

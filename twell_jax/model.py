@@ -3,7 +3,9 @@
 Architecture: token embedding (tied with the output projection), ``n_layers`` pre-norm blocks of
 RMSNorm -> causal multi-head attention with rotary embeddings -> residual, RMSNorm -> ReLU-gated
 FFN -> residual, then a final RMSNorm and ``logits = h @ embedding.T`` in float32. No biases,
-except an optional per-unit gate bias in each FFN (``ModelConfig.gate_bias``).
+except an optional per-unit gate bias in each FFN (``ModelConfig.gate_bias``). For Hugging Face
+Llama checkpoints (``from_hf``) the config can also give grouped-query attention, an untied
+``lm_head``, no sqrt(D) embedding scale and another RMSNorm epsilon.
 
 Dtypes: parameters in ``param_dtype`` (float32, the optimizer's master copy); activations, the
 residual stream and every matmul in ``dtype`` (bf16 by default) with float32 accumulation; norms,
@@ -19,6 +21,13 @@ it; ``unit_activity`` captures it to find dead units.
 Remat: with ``ModelConfig.remat`` each block runs under ``nnx.remat`` with the policy
 ``save_only_these_names("ffn_out")``: the FFN outputs (``nn.CHECKPOINT_NAME``) are kept, everything
 else in the block is recomputed in the backward pass.
+
+Generation: ``generate`` (one jitted program) and ``generate_chunks`` (a stream of jitted
+chunks) prefill left-aligned prompts of any lengths into a ``KVCache`` (``Transformer.prefill``,
+on the model's attention path), then decode one token per sequence per step
+(``Transformer.decode_step``: per-sequence positions and rotary offsets, attention over the cache
+in plain XLA, the FFN layers as they are) inside a ``lax.while_loop``, greedy or sampled
+(``Sampling``: temperature, top-k, top-p), with stop tokens and per-step FFN statistics.
 """
 
 from __future__ import annotations
@@ -404,8 +413,8 @@ class Transformer(nnx.Module):
 
     def features(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] int -> the final-normed hidden states [B, T, D] (compute dtype), the
-        input of the tied output projection. Prefill needs only the last position's logits:
-        ``model.features(tokens)[:, -1] @ embedding.T`` avoids the [B, T, V] logits."""
+        input of the output projection. Prefill needs only the last position's logits:
+        ``model.logits(model.features(tokens)[:, -1])`` avoids the [B, T, V] logits."""
         x = self._embed(tokens)
         cos, sin = self._rope()
         run = _run_block_remat if self.cfg.remat else _run_block
@@ -798,6 +807,10 @@ def _prepare(model: Transformer, prompts, prompt_lengths, max_new_tokens, sampli
         raise ValueError(f"prompts of {array.shape[1]} tokens + max_new_tokens={max_new_tokens} "
                          f"need a cache of {cache_len} positions, more than max_seq_len="
                          f"{cfg.max_seq_len}")
+    if key is not None and not (
+            jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key)
+            or (jnp.asarray(key).dtype == jnp.uint32 and jnp.shape(key) == (2,))):
+        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)), got {key!r}")
     if key is None:
         if not sampling.greedy:
             raise ValueError(f"sampling at temperature {sampling.temperature} needs a PRNG key "
