@@ -3,7 +3,7 @@ Face Llama folder.
 
     .venv/bin/python experiments/train.py       # writes runs/tiny-reference-l1_0.01/
     .venv/bin/python experiments/generate.py --checkpoint runs/tiny-reference-l1_0.01 \\
-        --prompt "def " --max-new-tokens 200  # ~20 s on 2 CPU cores, most of it compiling
+        --prompt "def " --max-new-tokens 120  # ~15 s on 2 CPU cores, most of it compiling
     .venv/bin/python experiments/generate.py --hf path/to/llama-folder --prompt "Hello"
 
 The prompt is prefilled into a KV cache, then a jitted ``lax.while_loop`` decodes ``--chunk``
@@ -12,7 +12,7 @@ Both programs are compiled (and run once) before the timed run, so the closing l
 steady-state tokens/s of prefill and decode, and the mean active FFN units per token per layer.
 Greedy by default; ``--temperature`` > 0 samples (with ``--top-k`` / ``--top-p``) from
 ``--seed``. Generation stops at the tokenizer's separator (byte 0, or the end-of-text token)
-unless ``--no-stop``.
+unless ``--no-stop``, and is cut to fit the model's max_seq_len (there is no sliding window).
 """
 
 from __future__ import annotations
@@ -141,8 +141,18 @@ def main(argv: Sequence[str] | None = None, *, quiet: bool = False) -> dict:
     model, tokenizer, description = load(cfg)
     log(f"model: {description}")
     prompt = tokenizer.encode(cfg.prompt.encode()).astype(np.int32)
+    # No sliding window: prompt and completion must fit max_seq_len (the last token is never
+    # fed back, hence + 1).
+    room = model.cfg.max_seq_len - len(prompt) + 1
+    if room < 1:
+        raise SystemExit(f"the prompt has {len(prompt)} tokens, more than the model's "
+                         f"max_seq_len={model.cfg.max_seq_len}")
+    max_new_tokens = min(cfg.max_new_tokens, room)
+    if max_new_tokens < cfg.max_new_tokens:
+        log(f"max_new_tokens {cfg.max_new_tokens} -> {max_new_tokens}: {len(prompt)} prompt "
+            f"tokens and the completion must fit max_seq_len={model.cfg.max_seq_len}")
     stop = (int(tokenizer.separator),) if cfg.stop else ()
-    kwargs = dict(max_new_tokens=cfg.max_new_tokens, chunk_size=cfg.chunk,
+    kwargs = dict(max_new_tokens=max_new_tokens, chunk_size=cfg.chunk,
                   temperature=cfg.temperature, top_k=cfg.top_k or None,
                   top_p=cfg.top_p if cfg.top_p < 1 else None, key=jax.random.key(cfg.seed),
                   stop_tokens=stop)

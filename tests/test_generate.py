@@ -284,7 +284,7 @@ def test_script_random_tiny(script, capsys):
     with pytest.raises(SystemExit):
         script.main(["--max-new-tokens", "0"])
     with pytest.raises(SystemExit, match="max_seq_len"):
-        script.main(["--max-new-tokens", "200"], quiet=True)
+        script.main(["--prompt", "x" * 129], quiet=True)
 
 
 def test_script_restores_train_checkpoint(script, tmp_path, capsys):
@@ -317,3 +317,15 @@ def test_script_hf_folder(script, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(SystemExit, match="tokenizers"):
         script.main(["--hf", str(folder), "--max-new-tokens", "2"], quiet=True)
+
+
+def test_printer_holds_back_split_characters(script, capsys):
+    """A UTF-8 character cut between two chunks is printed once it is complete."""
+    with load_experiment("train") as train:
+        printer = script._Printer(train.ByteTokenizer(), quiet=False)
+        printer.add(list("dé".encode())[:2])  # "d" and the first byte of "é"
+        assert capsys.readouterr().out == "d"
+        printer.add(list("é!".encode())[1:])
+        assert capsys.readouterr().out == "é!"
+        printer.add([0xff], final=True)  # invalid at the end: printed as a replacement
+        assert capsys.readouterr().out == "\ufffd" and printer.printed == "dé!\ufffd"
