@@ -11,8 +11,9 @@ tokens per call (``twell_jax.model.generate_chunks``): the completion is printed
 Both programs are compiled (and run once) before the timed run, so the closing lines give
 steady-state tokens/s of prefill and decode, and the mean active FFN units per token per layer.
 Greedy by default; ``--temperature`` > 0 samples (with ``--top-k`` / ``--top-p``) from
-``--seed``. Generation stops at the tokenizer's separator (byte 0, or the end-of-text token)
-unless ``--no-stop``, and is cut to fit the model's max_seq_len (there is no sliding window).
+``--seed``. Generation stops at the end-of-text token (an --hf folder's ``eos_token_id``, else
+the tokenizer's separator: byte 0, or its end-of-text token) unless ``--no-stop``, and is cut
+to fit the model's max_seq_len (there is no sliding window).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class GenerateConfig:
     tokenizer: str = _flag("", "'bytes' or a tokenizer.json; default the run's, the --hf "
                                "folder's tokenizer.json, else bytes")
     chunk: int = _flag(16, "decode steps per jitted call (each chunk is printed as it comes)")
-    stop: bool = _flag(True, "stop at the tokenizer's separator token")
+    stop: bool = _flag(True, "stop at the end-of-text token (the --hf config's eos_token_id, "
+                             "else the tokenizer's separator)")
 
 
 def parse_args(argv: Sequence[str] | None) -> GenerateConfig:
@@ -80,9 +82,14 @@ def parse_args(argv: Sequence[str] | None) -> GenerateConfig:
 
 
 def load(cfg: GenerateConfig):
-    """(model, tokenizer, description) for ``cfg``."""
+    """(model, tokenizer, stop token ids, description) for ``cfg``."""
+    eos = None
     if cfg.hf:
-        model = model_lib.from_hf(cfg.hf, implementation=cfg.implementation or "xla")
+        try:
+            model = model_lib.from_hf(cfg.hf, implementation=cfg.implementation or "xla")
+        except (ValueError, FileNotFoundError) as e:  # unsupported or broken: say why
+            raise SystemExit(f"--hf {cfg.hf}: {e}") from e
+        eos = json.loads((Path(cfg.hf) / "config.json").read_text()).get("eos_token_id")
         tokenizer_spec = cfg.tokenizer or str(Path(cfg.hf) / "tokenizer.json")
         what = f"Hugging Face folder {cfg.hf}"
     elif cfg.checkpoint:
@@ -111,7 +118,9 @@ def load(cfg: GenerateConfig):
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise SystemExit(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's "
                          f"vocabulary {model.cfg.vocab_size}")
-    return model, tokenizer, f"{what}, FFN {model.cfg.implementation}, tokenizer {tokenizer_spec}"
+    stop = [tokenizer.separator] if eos is None else eos if isinstance(eos, list) else [eos]
+    description = f"{what}, FFN {model.cfg.implementation}, tokenizer {tokenizer_spec}"
+    return model, tokenizer, tuple(int(s) for s in stop), description
 
 
 class _Printer:
@@ -138,7 +147,7 @@ def main(argv: Sequence[str] | None = None, *, quiet: bool = False) -> dict:
     """Runs the command line; returns a summary (text, tokens, timings, FFN activity)."""
     cfg = parse_args(argv)
     log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    model, tokenizer, description = load(cfg)
+    model, tokenizer, stop, description = load(cfg)
     log(f"model: {description}")
     prompt = tokenizer.encode(cfg.prompt.encode()).astype(np.int32)
     # No sliding window: prompt and completion must fit max_seq_len (the last token is never
@@ -151,7 +160,7 @@ def main(argv: Sequence[str] | None = None, *, quiet: bool = False) -> dict:
     if max_new_tokens < cfg.max_new_tokens:
         log(f"max_new_tokens {cfg.max_new_tokens} -> {max_new_tokens}: {len(prompt)} prompt "
             f"tokens and the completion must fit max_seq_len={model.cfg.max_seq_len}")
-    stop = (int(tokenizer.separator),) if cfg.stop else ()
+    stop = stop if cfg.stop else ()
     kwargs = dict(max_new_tokens=max_new_tokens, chunk_size=cfg.chunk,
                   temperature=cfg.temperature, top_k=cfg.top_k or None,
                   top_p=cfg.top_p if cfg.top_p < 1 else None, key=jax.random.key(cfg.seed),
@@ -199,7 +208,7 @@ def main(argv: Sequence[str] | None = None, *, quiet: bool = False) -> dict:
     log(f"prefill: {len(prompt)} tokens in {seconds[0] * 1e3:.1f} ms "
         f"({summary['prefill_tokens_per_s']:,.0f} tokens/s); decode: {decode_n} tokens in "
         f"{decode_s:.3f} s ({summary['decode_tokens_per_s'] or 0:,.1f} tokens/s); compile and "
-        f"warm-up {compile_s:.1f} s" + ("; stopped at the separator" if stopped else ""))
+        f"warm-up {compile_s:.1f} s" + ("; stopped at the end-of-text token" if stopped else ""))
     per_layer = lambda values: "[" + ", ".join(f"{v:.1f}" for v in values) + "]"
     log(f"active FFN units per token by layer (of {model.cfg.d_ff}): prefill "
         f"{per_layer(summary['nnz_prefill'])}"

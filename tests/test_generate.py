@@ -295,6 +295,19 @@ def test_script_restores_train_checkpoint(script, tmp_path, capsys):
                                 "--implementation", "xla", "--warmup", "1",
                                 "--out-dir", str(tmp_path / "run")])
         train.train(cfg, corpus=corpus, quiet=True, stop_after=2)  # no evaluation to compile
+        # Restoring only the model gives the parameters of a full restore, not the fresh ones.
+        manager = train.checkpoint_manager(tmp_path / "run")
+        full, optimizer = train.build(cfg, 256)
+        fresh = jax.tree.leaves(nnx.state(full, nnx.Param))
+        only = model_lib.build("tiny", implementation="xla", seed=9)
+        assert train.restore_checkpoint(manager, full, optimizer) == 2
+        assert train.restore_checkpoint(manager, only) == 2
+        manager.close()
+        restored = jax.tree.leaves(nnx.state(only, nnx.Param))
+        for a, b, c in zip(restored, jax.tree.leaves(nnx.state(full, nnx.Param)), fresh):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert any(not np.array_equal(np.asarray(a), np.asarray(c)) for a, c in
+                   zip(restored, fresh))
         summary = script.main(["--checkpoint", str(tmp_path / "run"), "--max-new-tokens", "3",
                                "--prompt", "abc", "--temperature", "1.0", "--top-k", "5"])
     assert "from " + str(tmp_path / "run") + " at step 2, FFN xla" in capsys.readouterr().out
@@ -312,8 +325,17 @@ def test_script_hf_folder(script, tmp_path, monkeypatch):
                            "--prompt", "hi", "--no-stop"], quiet=True)
     chunks = model_lib.generate_chunks(model_lib.from_hf(folder), [list(b"hi")],
                                        max_new_tokens=3)
-    assert summary["tokens"] == np.concatenate([c[0] for c in chunks], axis=1)[0].tolist()
+    expected = np.concatenate([c[0] for c in chunks], axis=1)[0].tolist()
+    assert summary["tokens"] == expected and not summary["stopped"]
+    # The config's eos_token_id stops generation (the stop token is not printed).
+    write_hf_folder(folder, {**cfg, "eos_token_id": [255, expected[1]]}, hf_weights(cfg))
+    summary = script.main(["--hf", str(folder), "--tokenizer", "bytes", "--max-new-tokens", "3",
+                           "--prompt", "hi"], quiet=True)
+    assert summary["stopped"] and summary["tokens"] == expected[:1]
     # Without --tokenizer the folder's tokenizer.json is read through the tokenizers package.
+    with pytest.raises(SystemExit, match="hidden_act 'silu' is not supported"):
+        script.main(["--hf", str(write_hf_folder(tmp_path / "silu", {**cfg, "hidden_act": "silu"},
+                                                  {})), "--tokenizer", "bytes"], quiet=True)
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(SystemExit, match="tokenizers"):
         script.main(["--hf", str(folder), "--max-new-tokens", "2"], quiet=True)
