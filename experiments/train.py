@@ -93,10 +93,12 @@ class TrainConfig:
         return Path(self.out_dir or os.path.join("runs", self.run_name))
 
 
-def parse_args(argv: Sequence[str] | None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+def flag_parser(config_cls, description: str) -> argparse.ArgumentParser:
+    """A parser with one flag per field of a dataclass of defaults (fields made by ``_flag``):
+    ``--field-name``, typed by the default; bools get ``--x / --no-x``."""
+    parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for field in dataclasses.fields(TrainConfig):
+    for field in dataclasses.fields(config_cls):
         flag = "--" + field.name.replace("_", "-")
         if isinstance(field.default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction,
@@ -104,6 +106,11 @@ def parse_args(argv: Sequence[str] | None) -> TrainConfig:
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default,
                                 **field.metadata)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> TrainConfig:
+    parser = flag_parser(TrainConfig, __doc__.split("\n")[0])
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     for name in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
         if getattr(cfg, name) < 1:
@@ -135,6 +142,10 @@ class ByteTokenizer:
     def encode(self, data: bytes) -> np.ndarray:
         return np.frombuffer(data, np.uint8)
 
+    def decode(self, tokens) -> str:
+        """Token ids -> text; invalid UTF-8 (a sequence cut inside a character) is replaced."""
+        return bytes(np.asarray(tokens, np.uint8).tolist()).decode("utf-8", errors="replace")
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
@@ -155,6 +166,9 @@ class HFTokenizer:
 
     def encode(self, data: bytes) -> np.ndarray:
         return np.asarray(self._tok.encode(data.decode("utf-8", errors="replace")).ids, np.int32)
+
+    def decode(self, tokens) -> str:
+        return self._tok.decode([int(t) for t in tokens])
 
 
 def make_tokenizer(spec: str):
@@ -355,17 +369,18 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, model, optimizer)
     manager.wait_until_finished()
 
 
-def restore_checkpoint(manager: ocp.CheckpointManager, model, optimizer) -> int:
-    """Loads the newest checkpoint into model and optimizer; returns its step (0 if none)."""
+def restore_checkpoint(manager: ocp.CheckpointManager, model, optimizer=None) -> int:
+    """Loads the newest checkpoint into model and optimizer (only the model when optimizer is
+    None, as for sampling); returns its step (0 if none)."""
     step = manager.latest_step()
     if step is None:
         return 0
+    targets = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     abstract = lambda obj: jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(obj))
     restored = manager.restore(step, args=ocp.args.Composite(
-        model=ocp.args.StandardRestore(abstract(model)),
-        optimizer=ocp.args.StandardRestore(abstract(optimizer))))
-    nnx.update(model, restored["model"])
-    nnx.update(optimizer, restored["optimizer"])
+        **{name: ocp.args.StandardRestore(abstract(obj)) for name, obj in targets.items()}))
+    for name, obj in targets.items():
+        nnx.update(obj, restored[name])
     return int(step)
 
 

@@ -3,7 +3,9 @@
 Architecture: token embedding (tied with the output projection), ``n_layers`` pre-norm blocks of
 RMSNorm -> causal multi-head attention with rotary embeddings -> residual, RMSNorm -> ReLU-gated
 FFN -> residual, then a final RMSNorm and ``logits = h @ embedding.T`` in float32. No biases,
-except an optional per-unit gate bias in each FFN (``ModelConfig.gate_bias``).
+except an optional per-unit gate bias in each FFN (``ModelConfig.gate_bias``). For Hugging Face
+Llama checkpoints (``from_hf``) the config can also give grouped-query attention, an untied
+``lm_head``, no sqrt(D) embedding scale and another RMSNorm epsilon.
 
 Dtypes: parameters in ``param_dtype`` (float32, the optimizer's master copy); activations, the
 residual stream and every matmul in ``dtype`` (bf16 by default) with float32 accumulation; norms,
@@ -19,14 +21,23 @@ it; ``unit_activity`` captures it to find dead units.
 Remat: with ``ModelConfig.remat`` each block runs under ``nnx.remat`` with the policy
 ``save_only_these_names("ffn_out")``: the FFN outputs (``nn.CHECKPOINT_NAME``) are kept, everything
 else in the block is recomputed in the backward pass.
+
+Generation: ``generate`` (one jitted program) and ``generate_chunks`` (a stream of jitted
+chunks) prefill left-aligned prompts of any lengths into a ``KVCache`` (``Transformer.prefill``,
+on the model's attention path), then decode one token per sequence per step
+(``Transformer.decode_step``: per-sequence positions and rotary offsets, attention over the cache
+in plain XLA, the FFN layers as they are) inside a ``lax.while_loop``, greedy or sampled
+(``Sampling``: temperature, top-k, top-p), with stop tokens and per-step FFN statistics.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +45,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from twell_jax import nn
+from twell_jax import nn, safetensors_io
 from twell_jax.config import TwELLConfig
 from twell_jax.ffn import IMPLEMENTATIONS, FFNStats
 
@@ -76,6 +87,13 @@ class ModelConfig:
       remat: recompute each block in the backward pass, keeping only the FFN outputs.
       gate_bias: each FFN has a learnable per-unit gate bias ``b_gate`` [F] (zeros at init);
         benchmarks set it to calibrate the sparsity of an untrained model.
+      n_kv_heads: key / value heads (grouped-query attention: each serves n_heads / n_kv_heads
+        query heads); None means n_heads (plain multi-head attention).
+      embed_scale: multiply the input embedding by sqrt(D) (our models; Hugging Face Llama
+        checkpoints do not, see ``from_hf``).
+      norm_eps: epsilon of every RMSNorm.
+      tie_embeddings: the output projection is the embedding's transpose; False gives the
+        model a separate ``lm_head`` [D, V].
     """
 
     vocab_size: int
@@ -91,6 +109,10 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     remat: bool = False
     gate_bias: bool = False
+    n_kv_heads: int | None = None
+    embed_scale: bool = True
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "max_seq_len"):
@@ -117,20 +139,34 @@ class ModelConfig:
                 ok = False
             if not ok:
                 raise ValueError(f"{name} must be a floating-point dtype, got {dtype!r}")
-        for name in ("remat", "gate_bias"):
+        for name in ("remat", "gate_bias", "embed_scale", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        kv = self.n_kv_heads
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0
+                               or self.n_heads % kv):
+            raise ValueError(f"n_kv_heads must be None or a positive int dividing "
+                             f"n_heads={self.n_heads}, got {kv!r}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps!r}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """Key / value heads: ``n_kv_heads``, or ``n_heads`` when that is None."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
     def param_count(self) -> int:
         """Parameters, counting the tied embedding once."""
         d, f = self.d_model, self.d_ff
-        per_layer = 4 * d * d + 3 * d * f + 2 * d  # q, k, v, o; gate, up, down; two norms
+        kv = self.kv_heads * self.head_dim
+        per_layer = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d  # q, o; k, v; gate, up, down; norms
         per_layer += f if self.gate_bias else 0
-        return self.vocab_size * d + self.n_layers * per_layer + d
+        lm_head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layers * per_layer + d + lm_head
 
 
 def _paper(n_layers: int) -> ModelConfig:
@@ -161,6 +197,18 @@ CONFIGS: dict[str, ModelConfig] = {
 # Layers.
 
 
+class KVCache(NamedTuple):
+    """Per-layer keys and values of the positions decoded so far (a pytree).
+
+    k, v: one [B, S, Nkv, H] array per layer (keys rotated), S the cache length.
+    lengths: [B] int32, filled positions per sequence = where the next token is written.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+
 class RMSNorm(nnx.Module):
     """``x / rms(x) * scale``, computed in float32, returned in ``dtype``."""
 
@@ -186,8 +234,18 @@ def rope_tables(max_seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarr
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates feature pairs (i, i + H/2) of x [B, T, N, H] by the angles of positions 0..T-1."""
     t = x.shape[1]
-    cos = cos[None, :t, None, :]
-    sin = sin[None, :t, None, :]
+    return _rotate(x, cos[None, :t, None, :], sin[None, :t, None, :])
+
+
+def apply_rope_at(x: jax.Array, cos: jax.Array, sin: jax.Array,
+                  positions: jax.Array) -> jax.Array:
+    """``apply_rope`` at per-sequence positions [B, T] int (decoding: each sequence of a batch
+    is at its own offset); cos, sin [max_seq_len, H / 2] as ``rope_tables``."""
+    return _rotate(x, cos[positions][:, :, None, :], sin[positions][:, :, None, :])
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    # The split-halves convention (Hugging Face Llama's rotate_half), in float32.
     x1, x2 = jnp.split(x.astype(_F32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -206,31 +264,81 @@ def _attention_implementation(dtype, seq_len: int) -> str:
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with rotary embeddings; no biases."""
+    """Causal multi-head self-attention with rotary embeddings; no biases. With
+    ``cfg.n_kv_heads`` < ``n_heads``, grouped-query attention (``w_k``, ``w_v`` [D, Nkv * H])."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d = cfg.d_model
         self.n_heads, self.head_dim, self.dtype = cfg.n_heads, cfg.head_dim, cfg.dtype
+        self.n_kv_heads = cfg.kv_heads
         self.w_q = _dense(rngs, d, d, cfg)
-        self.w_k = _dense(rngs, d, d, cfg)
-        self.w_v = _dense(rngs, d, d, cfg)
+        self.w_k = _dense(rngs, d, cfg.kv_heads * cfg.head_dim, cfg)
+        self.w_v = _dense(rngs, d, cfg.kv_heads * cfg.head_dim, cfg)
         self.w_o = _dense(rngs, d, d, cfg)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        b, t, d = x.shape
+        return self.prefill(x, cos, sin)[0]
 
-        def project(w):
-            y = jnp.dot(x, w[...].astype(self.dtype), preferred_element_type=_F32)
-            return y.astype(self.dtype).reshape(b, t, self.n_heads, self.head_dim)
+    def _project(self, x: jax.Array, w: nnx.Param, heads: int) -> jax.Array:
+        b, t, _ = x.shape
+        y = jnp.dot(x, w[...].astype(self.dtype), preferred_element_type=_F32)
+        return y.astype(self.dtype).reshape(b, t, heads, self.head_dim)
 
-        q = apply_rope(project(self.w_q), cos, sin)
-        k = apply_rope(project(self.w_k), cos, sin)
-        v = project(self.w_v)
+    def _output(self, out: jax.Array) -> jax.Array:
+        b, t = out.shape[:2]
+        return jnp.dot(out.reshape(b, t, -1), self.w_o[...].astype(self.dtype),
+                       preferred_element_type=_F32).astype(self.dtype)
+
+    def prefill(self, x: jax.Array, cos: jax.Array,
+                sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] -> (output [B, T, D], k, v [B, T, Nkv, H] with k rotated), positions
+        0..T-1. The model's attention path (cuDNN flash attention on a GPU for 128+ tokens)."""
+        t = x.shape[1]
+        q = apply_rope(self._project(x, self.w_q, self.n_heads), cos, sin)
+        k = apply_rope(self._project(x, self.w_k, self.n_kv_heads), cos, sin)
+        v = self._project(x, self.w_v, self.n_kv_heads)
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                            implementation=_attention_implementation(q.dtype, t))
-        out = out.reshape(b, t, d)
-        return jnp.dot(out, self.w_o[...].astype(self.dtype),
-                       preferred_element_type=_F32).astype(self.dtype)
+        return self._output(out), k, v
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
+               cache_k: jax.Array, cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One new position per sequence: x [B, 1, D] at ``positions`` [B] int; writes its k, v
+        into the caches [B, S, Nkv, H] there and attends over cache positions <= its own.
+        Returns (output [B, 1, D], cache_k, cache_v)."""
+        pos = positions[:, None]
+        q = apply_rope_at(self._project(x, self.w_q, self.n_heads), cos, sin, pos)
+        k = apply_rope_at(self._project(x, self.w_k, self.n_kv_heads), cos, sin, pos)
+        v = self._project(x, self.w_v, self.n_kv_heads)
+        rows = jnp.arange(x.shape[0])
+        cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
+        cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
+        out = decode_attention(q[:, 0], cache_k, cache_v, positions)
+        return self._output(out[:, None]), cache_k, cache_v
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     positions: jax.Array) -> jax.Array:
+    """Attention of one query per sequence over a KV cache, in plain XLA (a masked softmax).
+
+    Args:
+      q: [B, N, H] queries (rotated).
+      k, v: [B, S, Nkv, H] caches (Nkv divides N: grouped-query attention).
+      positions: [B] int, the query's position; cache entries after it are masked out.
+    Returns:
+      [B, N, H] in q's dtype. Scores and softmax in float32, as ``jax.nn.dot_product_attention``'s
+      XLA path: its probabilities are rounded to v's dtype before the weighted sum.
+    """
+    b, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    q = q.reshape(b, kv_heads, n // kv_heads, h).astype(k.dtype)
+    scores = jnp.einsum("bkgh,bskh->bkgs", q, k, preferred_element_type=_F32) / math.sqrt(h)
+    valid = jnp.arange(s)[None, :] <= positions[:, None]
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgs,bskh->bkgh", probs, v, preferred_element_type=_F32)
+    return out.reshape(b, n, h).astype(dtype)
 
 
 class Block(nnx.Module):
@@ -238,17 +346,33 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         kw = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-        self.attn_norm = RMSNorm(cfg.d_model, **kw)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         self.attn = Attention(cfg, rngs=rngs)
-        self.ffn_norm = RMSNorm(cfg.d_model, **kw)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, **kw)
         self.ffn = nn.SparseGatedMLP(cfg.d_model, cfg.d_ff, implementation=cfg.implementation,
                                      config=cfg.twell, rngs=rngs, gate_bias=cfg.gate_bias, **kw)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), cos, sin)
+        return self._ffn_residual(x)
+
+    def _ffn_residual(self, x: jax.Array) -> jax.Array:
         h = self.ffn_norm(x)
         nn.sow_if_captured(self, FFNInput, FFN_INPUT_NAME, h)
         return x + self.ffn(h)
+
+    def prefill(self, x: jax.Array, cos: jax.Array,
+                sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] -> (x [B, T, D], k, v [B, T, Nkv, H]) for the KV cache."""
+        out, k, v = self.attn.prefill(self.attn_norm(x), cos, sin)
+        return self._ffn_residual(x + out), k, v
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
+               cache_k: jax.Array, cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, 1, D] at ``positions`` [B] -> (x, cache_k, cache_v); see ``Attention.decode``."""
+        out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), cos, sin, positions,
+                                                 cache_k, cache_v)
+        return self._ffn_residual(x + out), cache_k, cache_v
 
 
 def _run_block(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -269,18 +393,37 @@ class Transformer(nnx.Module):
         self.embedding = nnx.Param(jax.random.normal(
             rngs.params(), (cfg.vocab_size, cfg.d_model), cfg.param_dtype) / math.sqrt(cfg.d_model))
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype)
+        # Untied: the output projection [D, V] (Hugging Face checkpoints with an lm_head).
+        self.lm_head = (None if cfg.tie_embeddings
+                        else _dense(rngs, cfg.d_model, cfg.vocab_size, cfg))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] int -> logits [B, T, V] float32."""
-        x = self.features(tokens)
-        embedding = self.embedding[...].astype(self.cfg.dtype)
-        return jnp.dot(x, embedding.T, preferred_element_type=_F32)
+        return self.logits(self.features(tokens))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final-normed hidden states [..., D] -> logits [..., V] float32."""
+        if self.lm_head is None:
+            w = self.embedding[...].astype(self.cfg.dtype).T
+        else:
+            w = self.lm_head[...].astype(self.cfg.dtype)
+        return jnp.dot(x, w, preferred_element_type=_F32)
 
     def features(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] int -> the final-normed hidden states [B, T, D] (compute dtype), the
-        input of the tied output projection. Prefill needs only the last position's logits:
-        ``model.features(tokens)[:, -1] @ embedding.T`` avoids the [B, T, V] logits."""
+        input of the output projection. Prefill needs only the last position's logits:
+        ``model.logits(model.features(tokens)[:, -1])`` avoids the [B, T, V] logits."""
+        x = self._embed(tokens)
+        cos, sin = self._rope()
+        run = _run_block_remat if self.cfg.remat else _run_block
+        for block in self.blocks:
+            x = run(block, x, cos, sin)
+        return self.final_norm(x)
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int -> embeddings [B, T, D] (compute dtype), validated."""
         cfg = self.cfg
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, time], got {tokens.shape}")
@@ -289,14 +432,73 @@ class Transformer(nnx.Module):
                              f"max_seq_len={cfg.max_seq_len}")
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
-        embedding = self.embedding[...]
-        x = (jnp.take(embedding, tokens, axis=0) * math.sqrt(cfg.d_model)).astype(cfg.dtype)
-        cos, sin = (jnp.asarray(a) for a in rope_tables(cfg.max_seq_len, cfg.head_dim,
-                                                         cfg.rope_theta))
-        run = _run_block_remat if cfg.remat else _run_block
-        for block in self.blocks:
-            x = run(block, x, cos, sin)
-        return self.final_norm(x)
+        x = jnp.take(self.embedding[...], tokens, axis=0)
+        if cfg.embed_scale:
+            x = x * math.sqrt(cfg.d_model)
+        return x.astype(cfg.dtype)
+
+    def _rope(self) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        return tuple(jnp.asarray(a) for a in rope_tables(cfg.max_seq_len, cfg.head_dim,
+                                                          cfg.rope_theta))
+
+    def init_cache(self, batch: int, length: int, dtype=None) -> KVCache:
+        """An empty ``KVCache`` for ``batch`` sequences of up to ``length`` positions (at most
+        ``max_seq_len``), in ``dtype`` (default: the compute dtype)."""
+        cfg = self.cfg
+        if not 1 <= length <= cfg.max_seq_len:
+            raise ValueError(f"cache length {length} must be in [1, max_seq_len="
+                             f"{cfg.max_seq_len}]")
+        shape = (batch, length, cfg.kv_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype or cfg.dtype) for _ in range(cfg.n_layers))
+        return KVCache(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+
+    def prefill(self, tokens: jax.Array, lengths: jax.Array,
+                cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Runs left-aligned prompts through the model and fills the cache.
+
+        Args:
+          tokens: [B, T] int, prompt b in tokens[b, :lengths[b]] (the rest is padding: causal
+            attention keeps it from touching the prompt, and decoding overwrites it).
+          lengths: [B] int in [1, T], the prompt lengths.
+          cache: from ``init_cache`` with length >= T; its contents are replaced.
+        Returns:
+          (logits [B, V] float32 at each prompt's last position, the filled cache with
+          ``lengths`` as its next write positions).
+        """
+        b, t = tokens.shape
+        if cache.k[0].shape[0] != b or cache.k[0].shape[1] < t:
+            raise ValueError(f"a cache of shape {cache.k[0].shape} cannot hold prompts of "
+                             f"shape {tokens.shape}")
+        x = self._embed(tokens)
+        cos, sin = self._rope()
+        ks, vs = [], []
+        for block, ck, cv in zip(self.blocks, cache.k, cache.v):
+            x, k, v = block.prefill(x, cos, sin)
+            ks.append(jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0)))
+            vs.append(jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0)))
+        lengths = jnp.asarray(lengths, jnp.int32)
+        last = x[jnp.arange(b), lengths - 1]
+        return self.logits(self.final_norm(last)), KVCache(tuple(ks), tuple(vs), lengths)
+
+    def decode_step(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Appends one token per sequence at position ``cache.lengths`` [B].
+
+        Args:
+          tokens: [B] int, the next token of each sequence.
+          cache: a filled ``KVCache``; the caller keeps ``cache.lengths`` below its length.
+        Returns:
+          (logits [B, V] float32 for the position after it, the cache with lengths + 1).
+        """
+        x = self._embed(tokens[:, None])
+        cos, sin = self._rope()
+        ks, vs = [], []
+        for block, ck, cv in zip(self.blocks, cache.k, cache.v):
+            x, ck, cv = block.decode(x, cos, sin, cache.lengths, ck, cv)
+            ks.append(ck)
+            vs.append(cv)
+        logits = self.logits(self.final_norm(x[:, 0]))
+        return logits, KVCache(tuple(ks), tuple(vs), cache.lengths + 1)
 
 
 def build(cfg: ModelConfig | str, *, seed: int = 0, **overrides) -> Transformer:
@@ -399,3 +601,407 @@ def activity_and_token_nnz(model: Transformer, tokens: jax.Array) -> tuple[jax.A
     gates = gate_preactivations(model, tokens)
     return (jnp.stack([jnp.any(g > 0, axis=0) for g in gates]),
             jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in gates]))
+
+
+# ------------------------------------------------------------------------------------------
+# Generation: prefill into a KV cache, then a jitted decode loop.
+
+PAD_TOKEN = -1
+"""The value ``generate`` writes after a sequence's stop token (never a valid token id)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How ``generate`` picks each token. Frozen, so hashable (a static jit argument; stop
+    tokens are not part of it, so that changing them does not compile again).
+
+    Attributes:
+      temperature: 0 = greedy (argmax; top_k / top_p are then irrelevant), else logits are
+        divided by it before sampling.
+      top_k: keep the k most likely tokens (None: all).
+      top_p: keep the smallest set of most likely tokens whose probability reaches p (nucleus
+        sampling; None or 1: all). Applied after top_k.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+            raise ValueError(f"temperature must be a number >= 0, got {t!r}")
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {k!r}")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                              or not 0 < p <= 1):
+            raise ValueError(f"top_p must be None or a number in (0, 1], got {p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits [B, V] -> tokens [B] int32 under ``sampling`` (``key`` unused when greedy).
+
+    Ties at the top-k or top-p boundary keep every tied token.
+    """
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(_F32) / sampling.temperature
+    vocab = logits.shape[-1]
+    if sampling.top_k is not None and sampling.top_k < vocab:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p is not None and sampling.top_p < 1:
+        ordered = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(ordered, axis=-1)
+        # A token is kept while the mass of the tokens before it is below p: the top token
+        # always, and the set stops at the first one that reaches p.
+        keep = jnp.cumsum(probs, axis=-1) - probs < sampling.top_p
+        threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+class DecodeState(NamedTuple):
+    """The decode loop's carry between chunks (a pytree).
+
+    cache: the ``KVCache``. token: [B] int32, the last token of each sequence (the next decode
+    input). done: [B] bool, the sequence sampled a stop token. step: [] int32, tokens sampled
+    so far. key: the PRNG key; token i is drawn with ``fold_in(key, i)``, so chunking does not
+    change the samples. stop: [V] bool, the stop tokens.
+    """
+
+    cache: KVCache
+    token: jax.Array
+    done: jax.Array
+    step: jax.Array
+    key: jax.Array
+    stop: jax.Array
+
+
+def _layer_nnz(intermediates: nnx.State, n_layers: int) -> jax.Array:
+    return jnp.stack([jnp.asarray(s.nnz_mean, _F32) for s in layer_stats(intermediates, n_layers)])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len"))
+def _start(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling, cache_len: int):
+    """Prefill and the first token: (DecodeState, token [B], nnz_mean [n_layers])."""
+    model = nnx.merge(graphdef, state)
+    cache = model.init_cache(prompts.shape[0], cache_len)
+    (logits, cache), inter = nnx.capture(model.prefill, nnx.Intermediate)(prompts, lengths, cache)
+    token = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
+    decode_state = DecodeState(cache, token, stop[token], jnp.ones((), jnp.int32), key, stop)
+    return decode_state, token, _layer_nnz(inter, model.cfg.n_layers)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk"))
+def _decode(graphdef, state, decode_state: DecodeState, n, *, sampling: Sampling, chunk: int):
+    """Up to ``n`` (<= chunk, traced) decode steps in one ``lax.while_loop``; stops early once
+    every sequence is done. Returns (DecodeState, tokens [B, chunk] (PAD_TOKEN past the steps
+    run or a stop), nnz_mean [chunk, n_layers] (NaN past the steps run))."""
+    n_layers = nnx.merge(graphdef, state).cfg.n_layers
+    b = decode_state.token.shape[0]
+    tokens = jnp.full((b, chunk), PAD_TOKEN, jnp.int32)
+    nnz = jnp.full((chunk, n_layers), jnp.nan, _F32)
+
+    def cond(carry):
+        i, ds, _, _ = carry
+        return (i < n) & ~jnp.all(ds.done)
+
+    def body(carry):
+        i, ds, tokens, nnz = carry
+        # Merged inside the loop: the module lives in the loop body's trace.
+        model = nnx.merge(graphdef, state)
+        (logits, cache), inter = nnx.capture(model.decode_step, nnx.Intermediate)(ds.token,
+                                                                                   ds.cache)
+        token = sample_logits(logits, jax.random.fold_in(ds.key, ds.step), sampling)
+        done = ds.done | ds.stop[token]
+        # A finished sequence keeps feeding its last token: its outputs are discarded.
+        feed = jnp.where(ds.done, ds.token, token)
+        token = jnp.where(ds.done, PAD_TOKEN, token)
+        ds = DecodeState(cache, feed, done, ds.step + 1, ds.key, ds.stop)
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
+        nnz = jax.lax.dynamic_update_slice(nnz, _layer_nnz(inter, n_layers)[None], (i, 0))
+        return i + 1, ds, tokens, nnz
+
+    _, decode_state, tokens, nnz = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), decode_state, tokens, nnz))
+    return decode_state, tokens, nnz
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "steps"))
+def _generate(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
+              cache_len: int, steps: int):
+    decode_state, first, nnz0 = _start(graphdef, state, prompts, lengths, key, stop,
+                                       sampling=sampling, cache_len=cache_len)
+    if steps == 0:
+        return first[:, None], nnz0[None]
+    _, tokens, nnz = _decode(graphdef, state, decode_state, steps, sampling=sampling,
+                             chunk=steps)
+    return (jnp.concatenate([first[:, None], tokens], axis=1),
+            jnp.concatenate([nnz0[None], nnz], axis=0))
+
+
+def _prepare(model: Transformer, prompts, prompt_lengths, max_new_tokens, sampling: Sampling,
+             key, stop_tokens) -> tuple[np.ndarray, np.ndarray, jax.Array, np.ndarray, int]:
+    """Validates ``generate``'s arguments on the host; returns (prompts [B, T] int32,
+    lengths [B] int32, key, stop mask [V] bool, cache length)."""
+    cfg = model.cfg
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if isinstance(prompts, (list, tuple)):
+        if prompt_lengths is not None:
+            raise ValueError("prompt_lengths is for a padded [B, T] array; a list of prompts "
+                             "carries its own lengths")
+        rows = [np.asarray(p) for p in prompts]
+        if not rows:
+            raise ValueError("prompts is empty: give at least one prompt")
+        for i, row in enumerate(rows):
+            if row.ndim != 1 or (row.size and not np.issubdtype(row.dtype, np.integer)):
+                raise TypeError(f"prompt {i} must be a 1-D sequence of ints, got "
+                                f"{row.dtype} {row.shape}")
+        lengths = np.asarray([len(r) for r in rows], np.int32)
+        array = np.zeros((len(rows), max(lengths)), np.int32)
+        for i, row in enumerate(rows):
+            array[i, :len(row)] = row
+    else:
+        array = np.asarray(prompts)
+        if array.ndim != 2:
+            raise ValueError(f"prompts must be [batch, time] or a list of 1-D prompts, got "
+                             f"shape {array.shape}")
+        if array.size and not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(f"prompts must be integers, got dtype {array.dtype}")
+        if array.shape[0] == 0:
+            raise ValueError("prompts is empty: give at least one prompt")
+        lengths = (np.full((array.shape[0],), array.shape[1], np.int32) if prompt_lengths is None
+                   else np.asarray(prompt_lengths))
+        if lengths.shape != (array.shape[0],) or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"prompt_lengths must be [batch={array.shape[0]}] ints, got "
+                             f"{lengths.dtype} {lengths.shape}")
+        if np.any(lengths > array.shape[1]):
+            raise ValueError(f"prompt_lengths {lengths.tolist()} exceed the prompts' width "
+                             f"{array.shape[1]}")
+    if np.any(lengths < 1):
+        raise ValueError(f"empty prompt (prompt lengths {lengths.tolist()}): generation needs "
+                         "at least one token to start from")
+    valid = array[np.arange(array.shape[1])[None, :] < lengths[:, None]]
+    if valid.min() < 0 or valid.max() >= cfg.vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size}), got "
+                         f"[{valid.min()}, {valid.max()}]")
+    stop = np.zeros((cfg.vocab_size,), bool)
+    for s in stop_tokens:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"stop_tokens must be ints, got {s!r}")
+        if not 0 <= s < cfg.vocab_size:
+            raise ValueError(f"stop token {s} is outside the vocabulary [0, {cfg.vocab_size})")
+        stop[s] = True
+    # The last token is sampled, never fed back: positions up to T + max_new_tokens - 2.
+    cache_len = array.shape[1] + int(max_new_tokens) - 1
+    if cache_len > cfg.max_seq_len:
+        raise ValueError(f"prompts of {array.shape[1]} tokens + max_new_tokens={max_new_tokens} "
+                         f"need a cache of {cache_len} positions, more than max_seq_len="
+                         f"{cfg.max_seq_len}")
+    if key is not None and not (
+            jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key)
+            or (jnp.asarray(key).dtype == jnp.uint32 and jnp.shape(key) == (2,))):
+        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)), got {key!r}")
+    if key is None:
+        if not sampling.greedy:
+            raise ValueError(f"sampling at temperature {sampling.temperature} needs a PRNG key "
+                             "(key=jax.random.key(seed))")
+        key = jax.random.key(0)  # unused by greedy decoding
+    return array.astype(np.int32), lengths.astype(np.int32), key, stop, cache_len
+
+
+def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, key: jax.Array | None = None,
+             stop_tokens=(), prompt_lengths=None, return_stats: bool = False):
+    """Generates ``max_new_tokens`` tokens after each prompt, in one jitted program.
+
+    Prefill runs the prompts through the model's attention path and fills a KV cache of
+    T + max_new_tokens - 1 positions (compute dtype); a ``lax.while_loop`` then decodes one
+    token per sequence per step (attention over the cache in plain XLA, the FFN layers as they
+    are) without returning to the host, and ends early once every sequence has stopped.
+    Sequences of different lengths batch together: each has its own positions and rotary
+    offsets, so a prompt gives the same tokens padded in a batch as alone (up to rounding
+    differences of batched matmuls in bf16).
+
+    Args:
+      model: the decoder.
+      prompts: [B, T] int (left-aligned; with ``prompt_lengths`` the tail of a row is padding),
+        or a list of B 1-D int sequences of any lengths.
+      max_new_tokens: tokens to generate per sequence, >= 1.
+      temperature, top_k, top_p: see ``Sampling``; temperature 0 (default) is greedy.
+      key: PRNG key (``jax.random.key(seed)``); required when temperature > 0.
+      stop_tokens: ids that end a sequence (kept in the output; later positions are
+        ``PAD_TOKEN`` = -1).
+      prompt_lengths: [B] int in [1, T], for a padded array; default T for every row.
+      return_stats: also return the FFN statistics.
+    Returns:
+      tokens [B, max_new_tokens] int32; with ``return_stats``, ``(tokens, stats)`` where
+      ``stats["nnz_mean"]`` [max_new_tokens, n_layers] float32 is the mean active FFN units
+      per token of the forward that produced token i: row 0 the prefill (over all B * T prompt
+      positions, padding included), row i > 0 the decode step (over the B sequences, finished
+      ones included); NaN for steps skipped after every sequence stopped.
+    Raises:
+      ValueError / TypeError: for an empty prompt, a prompt that does not fit max_seq_len with
+      the new tokens, max_new_tokens < 1, bad sampling settings or sampling without a key.
+    """
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    prompts, lengths, key, stop, cache_len = _prepare(model, prompts, prompt_lengths,
+                                                      max_new_tokens, sampling, key, stop_tokens)
+    graphdef, state = nnx.split(model)
+    tokens, nnz = _generate(graphdef, state, prompts, lengths, key, stop, sampling=sampling,
+                            cache_len=cache_len, steps=int(max_new_tokens) - 1)
+    return (tokens, {"nnz_mean": nnz}) if return_stats else tokens
+
+
+def generate_chunks(model: Transformer, prompts, *, max_new_tokens: int, chunk_size: int = 16,
+                    temperature: float = 0.0, top_k: int | None = None,
+                    top_p: float | None = None, key: jax.Array | None = None, stop_tokens=(),
+                    prompt_lengths=None):
+    """``generate`` as a stream: yields ``(tokens [B, n] int32, nnz_mean [n, n_layers])``
+    numpy arrays, first the prefill's token (n = 1), then one jitted ``lax.while_loop`` of up
+    to ``chunk_size`` decode steps per yield, until max_new_tokens or every sequence stopped.
+    The concatenated tokens equal ``generate``'s with the same arguments (PAD_TOKEN after a
+    stop; the stream ends early when all sequences stopped). One compile serves every chunk."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    prompts, lengths, key, stop, cache_len = _prepare(model, prompts, prompt_lengths,
+                                                      max_new_tokens, sampling, key, stop_tokens)
+    graphdef, state = nnx.split(model)
+    decode_state, token, nnz = _start(graphdef, state, prompts, lengths, key, stop,
+                                      sampling=sampling, cache_len=cache_len)
+    yield np.asarray(token)[:, None], np.asarray(nnz)[None]
+    produced = 1
+    while produced < max_new_tokens and not bool(np.all(np.asarray(decode_state.done))):
+        n = min(chunk_size, max_new_tokens - produced)
+        decode_state, tokens, nnz = _decode(graphdef, state, decode_state, jnp.int32(n),
+                                            sampling=sampling, chunk=chunk_size)
+        ran = int(decode_state.step) - produced
+        produced += ran
+        yield np.asarray(tokens)[:, :ran], np.asarray(nnz)[:ran]
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face Llama checkpoints.
+
+# LlamaForCausalLM parameter names -> (our path, transpose): HF linear weights are [out, in].
+_HF_LAYER_PARAMS = {
+    "self_attn.q_proj.weight": (("attn", "w_q"), True),
+    "self_attn.k_proj.weight": (("attn", "w_k"), True),
+    "self_attn.v_proj.weight": (("attn", "w_v"), True),
+    "self_attn.o_proj.weight": (("attn", "w_o"), True),
+    "mlp.gate_proj.weight": (("ffn", "w_gate"), True),
+    "mlp.up_proj.weight": (("ffn", "w_up"), True),
+    "mlp.down_proj.weight": (("ffn", "w_down"), True),
+    "input_layernorm.weight": (("attn_norm", "scale"), False),
+    "post_attention_layernorm.weight": (("ffn_norm", "scale"), False),
+}
+
+
+def hf_config(hf: dict, **overrides) -> ModelConfig:
+    """The ``ModelConfig`` of a Hugging Face Llama ``config.json`` (a dict).
+
+    What differs from our defaults, and why the mapping is faithful: HF Llama does not scale
+    the input embedding (``embed_scale=False``); its RMSNorm is ``weight * x / sqrt(mean(x^2) +
+    eps)`` as ours (ones at init, not Gemma's 1 + weight), with ``rms_norm_eps``; its rotary
+    embedding rotates the split halves (rotate_half) with inv_freq = theta^(-2i/H), as
+    ``apply_rope``; ``num_key_value_heads`` maps to grouped-query attention; the output
+    projection is tied or a separate ``lm_head``. Only what we can run is accepted: ``hidden_act``
+    "relu" (the paper's ReLU-gated FFN), no biases, no rope scaling, head_dim = D / heads.
+    ``overrides`` replace fields (dtype, implementation, max_seq_len, ...).
+    """
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"model_type {model_type!r} is not supported (only 'llama')")
+    act = hf.get("hidden_act", "silu")
+    if act != "relu":
+        raise ValueError(f"hidden_act {act!r} is not supported: TwELL FFNs are ReLU-gated "
+                         "(hidden_act 'relu')")
+    for name in ("attention_bias", "mlp_bias"):
+        if hf.get(name):
+            raise ValueError(f"{name}=true is not supported (the model has no biases)")
+    # transformers >= 5 writes rope_parameters; older versions rope_theta and rope_scaling.
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    if scaling or rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling {scaling or rope!r} is not supported (plain rotary "
+                         "embeddings only)")
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, d // heads):
+        raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads = "
+                         f"{d // heads} is not supported")
+    kv = hf.get("num_key_value_heads") or heads
+    fields = dict(
+        vocab_size=hf["vocab_size"], d_model=d, d_ff=hf["intermediate_size"],
+        n_layers=hf["num_hidden_layers"], n_heads=heads, n_kv_heads=None if kv == heads else kv,
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), embed_scale=False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    return ModelConfig(**{**fields, **overrides})
+
+
+def from_hf(folder, **overrides) -> Transformer:
+    """Loads a local Hugging Face LlamaForCausalLM folder (``config.json`` + ``*.safetensors``).
+
+    Args:
+      folder: the folder's path.
+      overrides: ``ModelConfig`` fields to replace (``implementation``, ``dtype``,
+        ``max_seq_len``, ``twell`` ...); see ``hf_config`` for the mapping and what is rejected.
+    Returns:
+      The model, parameters in its ``param_dtype``. Every checkpoint tensor must be used and
+      every parameter present (``rotary_emb.inv_freq`` buffers are ignored); ValueError names
+      the offenders.
+    """
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model folder")
+    cfg = hf_config(json.loads(config_path.read_text()), **overrides)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    tensors: dict[str, np.ndarray] = {}
+    for path in files:
+        tensors.update(safetensors_io.load_file(path))
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    params = abstract.to_pure_dict()
+    used = set()
+
+    def take(name: str, target: dict, key: str, transpose: bool) -> None:
+        if name not in tensors:
+            raise ValueError(f"{folder}: tensor {name!r} is missing")
+        value = np.asarray(tensors[name])
+        value = value.T if transpose else value
+        expected = target[key].shape
+        if value.shape != tuple(expected):
+            raise ValueError(f"{folder}: tensor {name!r} has shape {tensors[name].shape}, "
+                             f"expected {expected[::-1] if transpose else expected}")
+        target[key] = jnp.asarray(value.astype(np.float32), cfg.param_dtype)
+        used.add(name)
+
+    take("model.embed_tokens.weight", params, "embedding", False)
+    take("model.norm.weight", params["final_norm"], "scale", False)
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints store the copy as well
+    else:
+        take("lm_head.weight", params, "lm_head", True)
+    for i in range(cfg.n_layers):
+        for hf_name, ((module, param), transpose) in _HF_LAYER_PARAMS.items():
+            take(f"model.layers.{i}.{hf_name}", params["blocks"][i][module], param, transpose)
+    unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"{folder}: tensors not used by the model: {unused[:8]}"
+                         + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
+    nnx.replace_by_pure_dict(abstract, params)
+    return nnx.merge(graphdef, abstract)

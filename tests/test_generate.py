@@ -1,0 +1,353 @@
+"""Tests of text generation: the KV cache (``prefill`` / ``decode_step``), ``generate`` and
+``generate_chunks`` in ``twell_jax.model``, and ``experiments/generate.py``.
+
+Compiles dominate on the CPU, so the tests share a few shapes: two prompts of 6 and 4 tokens,
+8 new tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.test_hf import HF_CONFIG, hf_weights, write_hf_folder
+from tests.utils import load_experiment
+from twell_jax import model as model_lib
+from twell_jax.config import TwELLConfig
+
+PROMPTS = [[5, 104, 101, 108, 108, 111], [7, 200, 33, 64]]
+NEW = 8
+WIDTH = 6 + NEW  # the uncached reference runs on one padded width: one compile
+PAD = model_lib.PAD_TOKEN
+# As test_model.py: no heavy rows, so the sparse paths compute every token themselves.
+ALL_SPARSE = TwELLConfig(tile_width=16, slots_per_tile=16, max_row_density=1.0,
+                         dense_fallback_density=1.0)
+# Relative norm error of cached against uncached logits (bf16: the decode attention rounds
+# its probabilities at other points than the full forward's).
+LOGITS_RTOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
+
+
+def rel_err(actual, expected) -> float:
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert a.shape == e.shape and np.all(np.isfinite(a))
+    return float(np.linalg.norm(a - e) / np.linalg.norm(e))
+
+
+@nnx.jit
+def forward(model, tokens):
+    return model(tokens)
+
+
+@nnx.jit
+def prefill(model, tokens, lengths, cache):
+    return model.prefill(tokens, lengths, cache)
+
+
+@nnx.jit
+def decode_step(model, tokens, cache):
+    return model.decode_step(tokens, cache)
+
+
+@nnx.jit
+def token_nnz(model, tokens):
+    return model_lib.token_nnz(model, tokens)
+
+
+def padded(prompts, width):
+    out = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        out[i, :len(p)] = p
+    return out, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def uncached_greedy(model, prompts, steps):
+    """Greedy tokens and each step's logits [steps, B, V] from the full forward on the growing
+    sequences (right-padded to one width: causal attention ignores the padding)."""
+    seqs, lengths = padded(prompts, WIDTH)
+    rows = np.arange(len(prompts))
+    tokens, logits = [], []
+    for i in range(steps):
+        step_logits = np.asarray(forward(model, jnp.asarray(seqs)))[rows, lengths + i - 1]
+        token = step_logits.argmax(-1)
+        seqs[rows, lengths + i] = token
+        tokens.append(token)
+        logits.append(step_logits)
+    return np.stack(tokens, 1), np.stack(logits)
+
+
+# ------------------------------------------------------------------------------------------
+# The cache and greedy decoding against the full forward.
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_cached_decoding_matches_full_forward(dtype):
+    model = model_lib.build("tiny", dtype=dtype, seed=1)
+    expected_tokens, expected_logits = uncached_greedy(model, PROMPTS, NEW)
+    # Logits of every step: prefill + decode_step on the cache against the full forward.
+    tokens, lengths = padded(PROMPTS, 6)
+    cache = model.init_cache(2, WIDTH)
+    assert cache.k[0].shape == (2, WIDTH, 4, 16) and cache.k[0].dtype == jnp.dtype(dtype)
+    logits, cache = prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+    for i in range(NEW):
+        assert rel_err(logits, expected_logits[i]) < LOGITS_RTOL[jnp.dtype(dtype)], i
+        np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + i)
+        logits, cache = decode_step(model, jnp.asarray(expected_tokens[:, i]), cache)
+    # generate: one jitted program, same greedy tokens.
+    generated, stats = model_lib.generate(model, PROMPTS, max_new_tokens=NEW,
+                                          return_stats=True)
+    assert generated.shape == (2, NEW) and generated.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(generated), expected_tokens)
+    assert stats["nnz_mean"].shape == (NEW, model.cfg.n_layers)
+    if dtype == jnp.float32:
+        # Step statistics: the mean active units of the tokens each forward ran on.
+        seqs, _ = padded([p + list(t) for p, t in zip(PROMPTS, expected_tokens)], WIDTH)
+        nnz = np.asarray(token_nnz(model, jnp.asarray(seqs))).reshape(-1, 2, WIDTH)
+        rows = np.arange(2)
+        decode = np.stack([nnz[:, rows, lengths + i].mean(-1) for i in range(NEW - 1)])
+        np.testing.assert_allclose(stats["nnz_mean"][1:], decode, rtol=1e-6)
+        prompt_nnz = np.asarray(token_nnz(model, jnp.asarray(tokens))).mean(-1)
+        np.testing.assert_allclose(stats["nnz_mean"][0], prompt_nnz, rtol=1e-6)
+
+
+def test_padded_prompt_same_as_alone():
+    """bf16: the short prompt gives the same tokens alone as padded in a batch with a longer
+    one, given as a list or as a padded array with prompt_lengths (padding of any value)."""
+    model = model_lib.build("tiny", seed=2)
+    together = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW))
+    array, lengths = padded(PROMPTS, 6)
+    array[1, 4:] = 99
+    again = model_lib.generate(model, array, prompt_lengths=lengths, max_new_tokens=NEW)
+    np.testing.assert_array_equal(np.asarray(again), together)
+    alone = model_lib.generate(model, [PROMPTS[1]], max_new_tokens=NEW)
+    np.testing.assert_array_equal(np.asarray(alone)[0], together[1])
+
+
+def test_sparse_implementations_decode_like_dense():
+    """float32, every row on the sparse path (pallas: the kernels in interpret mode, inside
+    the decode loop): the same tokens and FFN statistics as the dense FFN."""
+    prompts = [[1, 2, 3], [4, 5]]
+    # One layer: the interpret-mode kernels are slow to compile.
+    kw = dict(dtype=jnp.float32, seed=3, twell=ALL_SPARSE, n_layers=1)
+    run = lambda impl: model_lib.generate(model_lib.build("tiny", implementation=impl, **kw),
+                                          prompts, max_new_tokens=3, return_stats=True)
+    expected, expected_stats = run("xla")
+    for impl in ("reference", "pallas"):
+        tokens, stats = run(impl)
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected), err_msg=impl)
+        np.testing.assert_allclose(stats["nnz_mean"], expected_stats["nnz_mean"], rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# Sampling, stop tokens, chunks.
+
+SAMPLING = dict(temperature=0.9, top_k=50, top_p=0.95)
+
+
+def test_sampling_chunks_and_keys():
+    model = model_lib.build("tiny", seed=4)
+    key = jax.random.key(11)
+    a = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW, key=key, **SAMPLING))
+    b = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW, key=key, **SAMPLING))
+    c = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW,
+                                      key=jax.random.key(12), **SAMPLING))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert a.min() >= 0 and a.max() < model.cfg.vocab_size
+    # The stream (first the prefill's token, then chunks of 3 decode steps) gives the same.
+    chunks = list(model_lib.generate_chunks(model, PROMPTS, max_new_tokens=NEW, chunk_size=3,
+                                            key=key, **SAMPLING))
+    assert [c[0].shape[1] for c in chunks] == [1, 3, 3, 1]
+    np.testing.assert_array_equal(np.concatenate([c[0] for c in chunks], axis=1), a)
+    assert np.concatenate([c[1] for c in chunks]).shape == (NEW, model.cfg.n_layers)
+
+
+def test_sample_logits_filters():
+    """Empirical frequencies over 4000 rows: temperature, top-k and top-p keep the right sets."""
+    probs = np.asarray([0.5, 0.25, 0.15, 0.1])
+    logits = jnp.log(jnp.tile(jnp.asarray(probs, jnp.float32), (4000, 1)))
+    key = jax.random.key(0)
+
+    def freq(**kw):
+        tokens = np.asarray(model_lib.sample_logits(logits, key, model_lib.Sampling(**kw)))
+        return np.bincount(tokens, minlength=4) / len(tokens)
+
+    np.testing.assert_allclose(freq(temperature=1.0), probs, atol=0.03)
+    np.testing.assert_array_equal(freq(temperature=0.0), [1, 0, 0, 0])
+    np.testing.assert_array_equal(freq(temperature=1.0, top_k=1), [1, 0, 0, 0])
+    np.testing.assert_allclose(freq(temperature=1.0, top_k=2), [2 / 3, 1 / 3, 0, 0], atol=0.03)
+    # top_p 0.7: 0.5 < 0.7 so token 1 is needed, 0.75 >= 0.7 so token 2 is not.
+    np.testing.assert_allclose(freq(temperature=1.0, top_p=0.7), [2 / 3, 1 / 3, 0, 0],
+                               atol=0.03)
+    np.testing.assert_array_equal(freq(temperature=1.0, top_p=0.4), [1, 0, 0, 0])
+    sharp = freq(temperature=0.5)  # probabilities squared, renormalised
+    np.testing.assert_allclose(sharp, probs ** 2 / (probs ** 2).sum(), atol=0.03)
+
+
+def test_stop_tokens_pad_the_rest():
+    model = model_lib.build("tiny", seed=5)
+    free = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW))
+    stop = int(free[0, 2])
+    tokens, stats = model_lib.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[stop],
+                                       return_stats=True)
+    tokens = np.asarray(tokens)
+    for row, free_row in zip(tokens, free):
+        hits = np.flatnonzero(free_row == stop)
+        end = hits[0] + 1 if hits.size else NEW
+        np.testing.assert_array_equal(row[:end], free_row[:end])
+        assert np.all(row[end:] == PAD)
+    # Both sequences stop at their first token: the loop ends at once, later steps are NaN.
+    tokens, stats = model_lib.generate(model, PROMPTS, max_new_tokens=NEW,
+                                       stop_tokens=[int(free[0, 0]), int(free[1, 0])],
+                                       return_stats=True)
+    np.testing.assert_array_equal(np.asarray(tokens)[:, 0], free[:, 0])
+    assert np.all(np.asarray(tokens)[:, 1:] == PAD)
+    assert np.all(np.isfinite(stats["nnz_mean"][0])) and np.all(np.isnan(stats["nnz_mean"][1:]))
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input.
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(prompts=[[1, 2], []]), ValueError, "empty prompt"),
+    (dict(prompts=np.zeros((2, 0), np.int32)), ValueError, "empty prompt"),
+    (dict(prompts=[]), ValueError, "prompts is empty"),
+    (dict(prompts=np.zeros((1, 120), np.int32), max_new_tokens=10), ValueError,
+     "more than max_seq_len=128"),
+    (dict(prompts=np.zeros((1, 129), np.int32), max_new_tokens=1), ValueError,
+     "more than max_seq_len=128"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an int >= 1"),
+    (dict(max_new_tokens=-3), ValueError, "max_new_tokens must be an int >= 1"),
+    (dict(temperature=-0.5), ValueError, "temperature must be a number >= 0"),
+    (dict(temperature=1.0, top_k=0, key=jax.random.key(0)), ValueError, "top_k must be"),
+    (dict(temperature=1.0, top_p=0.0, key=jax.random.key(0)), ValueError, "top_p must be"),
+    (dict(temperature=1.0, top_p=1.5, key=jax.random.key(0)), ValueError, "top_p must be"),
+    (dict(temperature=1.0), ValueError, "needs a PRNG key"),
+    (dict(temperature=1.0, key=3), TypeError, "key must be a PRNG key"),
+    (dict(prompts=[[1, 256]]), ValueError, r"token ids must be in \[0, 256\)"),
+    (dict(stop_tokens=[300]), ValueError, "stop token 300 is outside"),
+    (dict(prompts=np.ones((2, 3), np.float32)), TypeError, "prompts must be integers"),
+    (dict(prompts=np.ones((2, 3), np.int32), prompt_lengths=[3, 4]), ValueError, "exceed"),
+    (dict(prompt_lengths=[3, 2]), ValueError, "prompt_lengths is for a padded"),
+])
+def test_generate_rejects(kwargs, error, message):
+    model = model_lib.build("tiny")
+    kwargs = {"prompts": PROMPTS, "max_new_tokens": 4, **kwargs}
+    with pytest.raises(error, match=message):
+        model_lib.generate(model, **kwargs)
+    with pytest.raises(error, match=message):
+        next(model_lib.generate_chunks(model, **kwargs))
+
+
+def test_config_fields_validated():
+    tiny = model_lib.CONFIGS["tiny"]
+    with pytest.raises(ValueError, match="n_kv_heads must be"):
+        dataclasses.replace(tiny, n_kv_heads=3)
+    with pytest.raises(TypeError, match="embed_scale must be a bool"):
+        dataclasses.replace(tiny, embed_scale=1)
+    with pytest.raises(ValueError, match="norm_eps must be positive"):
+        dataclasses.replace(tiny, norm_eps=0.0)
+    gqa = dataclasses.replace(tiny, n_kv_heads=2, tie_embeddings=False)
+    abstract = nnx.eval_shape(lambda: model_lib.Transformer(gqa, rngs=nnx.Rngs(0)))
+    n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert n == gqa.param_count()
+    assert abstract.blocks[0].attn.w_k.shape == (64, 32) and abstract.lm_head.shape == (64, 256)
+
+
+# ------------------------------------------------------------------------------------------
+# experiments/generate.py.
+
+
+@pytest.fixture(scope="module")
+def script():
+    with load_experiment("generate") as module:
+        yield module
+
+
+def test_script_random_tiny(script, capsys):
+    summary = script.main(["--max-new-tokens", "6", "--chunk", "2", "--prompt", "def f",
+                           "--no-stop"])
+    out = capsys.readouterr().out
+    assert len(summary["tokens"]) == 6 and summary["decode_tokens"] == 5
+    assert out.splitlines()[1].startswith("def f")
+    assert "tokens/s" in out and "active FFN units per token by layer (of 256)" in out
+    assert len(summary["nnz_prefill"]) == len(summary["nnz_decode"]) == 2
+    # The printed completion is the greedy tokens of the same model (the compiled stream).
+    chunks = model_lib.generate_chunks(model_lib.build("tiny", seed=0), [list(b"def f")],
+                                       max_new_tokens=6, chunk_size=2)
+    assert summary["tokens"] == np.concatenate([c[0] for c in chunks], axis=1)[0].tolist()
+    with pytest.raises(SystemExit):
+        script.main(["--max-new-tokens", "0"])
+    with pytest.raises(SystemExit, match="max_seq_len"):
+        script.main(["--prompt", "x" * 129], quiet=True)
+
+
+def test_script_restores_train_checkpoint(script, tmp_path, capsys):
+    with load_experiment("train") as train:
+        corpus = train.Corpus(np.frombuffer(b"abcdefgh " * 200, np.uint8),
+                              np.frombuffer(b"abcdefgh " * 20, np.uint8), 256, "test bytes")
+        cfg = train.parse_args(["--steps", "3", "--batch-size", "2", "--seq-len", "16",
+                                "--implementation", "xla", "--warmup", "1",
+                                "--out-dir", str(tmp_path / "run")])
+        train.train(cfg, corpus=corpus, quiet=True, stop_after=2)  # no evaluation to compile
+        # Restoring only the model gives the parameters of a full restore, not the fresh ones.
+        manager = train.checkpoint_manager(tmp_path / "run")
+        full, optimizer = train.build(cfg, 256)
+        fresh = jax.tree.leaves(nnx.state(full, nnx.Param))
+        only = model_lib.build("tiny", implementation="xla", seed=9)
+        assert train.restore_checkpoint(manager, full, optimizer) == 2
+        assert train.restore_checkpoint(manager, only) == 2
+        manager.close()
+        restored = jax.tree.leaves(nnx.state(only, nnx.Param))
+        for a, b, c in zip(restored, jax.tree.leaves(nnx.state(full, nnx.Param)), fresh):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert any(not np.array_equal(np.asarray(a), np.asarray(c)) for a, c in
+                   zip(restored, fresh))
+        summary = script.main(["--checkpoint", str(tmp_path / "run"), "--max-new-tokens", "3",
+                               "--prompt", "abc", "--temperature", "1.0", "--top-k", "5"])
+    assert "from " + str(tmp_path / "run") + " at step 2, FFN xla" in capsys.readouterr().out
+    assert 1 <= len(summary["tokens"]) <= 3
+    with pytest.raises(SystemExit, match="not a train.py run folder"):
+        script.main(["--checkpoint", str(tmp_path / "nothing")])
+    with pytest.raises(SystemExit, match="differs from the run's"):
+        script.main(["--checkpoint", str(tmp_path / "run"), "--model", "25m"])
+
+
+def test_script_hf_folder(script, tmp_path, monkeypatch):
+    cfg = {**HF_CONFIG, "vocab_size": 256}
+    folder = write_hf_folder(tmp_path / "hf", cfg, hf_weights(cfg))
+    summary = script.main(["--hf", str(folder), "--tokenizer", "bytes", "--max-new-tokens", "3",
+                           "--prompt", "hi", "--no-stop"], quiet=True)
+    chunks = model_lib.generate_chunks(model_lib.from_hf(folder), [list(b"hi")],
+                                       max_new_tokens=3)
+    expected = np.concatenate([c[0] for c in chunks], axis=1)[0].tolist()
+    assert summary["tokens"] == expected and not summary["stopped"]
+    # The config's eos_token_id stops generation (the stop token is not printed).
+    write_hf_folder(folder, {**cfg, "eos_token_id": [255, expected[1]]}, hf_weights(cfg))
+    summary = script.main(["--hf", str(folder), "--tokenizer", "bytes", "--max-new-tokens", "3",
+                           "--prompt", "hi"], quiet=True)
+    assert summary["stopped"] and summary["tokens"] == expected[:1]
+    # Without --tokenizer the folder's tokenizer.json is read through the tokenizers package.
+    with pytest.raises(SystemExit, match="hidden_act 'silu' is not supported"):
+        script.main(["--hf", str(write_hf_folder(tmp_path / "silu", {**cfg, "hidden_act": "silu"},
+                                                  {})), "--tokenizer", "bytes"], quiet=True)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(SystemExit, match="tokenizers"):
+        script.main(["--hf", str(folder), "--max-new-tokens", "2"], quiet=True)
+
+
+def test_printer_holds_back_split_characters(script, capsys):
+    """A UTF-8 character cut between two chunks is printed once it is complete."""
+    with load_experiment("train") as train:
+        printer = script._Printer(train.ByteTokenizer(), quiet=False)
+        printer.add(list("dé".encode())[:2])  # "d" and the first byte of "é"
+        assert capsys.readouterr().out == "d"
+        printer.add(list("é!".encode())[1:])
+        assert capsys.readouterr().out == "é!"
+        printer.add([0xff], final=True)  # invalid at the end: printed as a replacement
+        assert capsys.readouterr().out == "\ufffd" and printer.printed == "dé!\ufffd"
