@@ -339,7 +339,7 @@ def evaluate(model, corpus: Corpus, cfg: TrainConfig, mesh: jax.sharding.Mesh) -
     ces, active, histograms = [], None, 0
     for i in range(cfg.eval_batches):
         batch = sample_batch(corpus.heldout, cfg.batch_size, cfg.seq_len, cfg.seed, i, EVAL_STREAM)
-        ce, act, nnz = eval_step(model, sharding.shard_batch(batch, mesh))
+        ce, act, nnz = sharding.to_host(eval_step(model, sharding.shard_batch(batch, mesh)))
         ces.append(float(ce))
         active = act if active is None else active | act
         d_ff = act.shape[1]
@@ -511,7 +511,7 @@ def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after:
         else:
             clock.tokens += tokens_per_step
         if done % cfg.log_every == 0 or done == end:
-            metrics = jax.device_get(metrics)
+            metrics = sharding.to_host(metrics)
             clock.stop()
             if clock.seconds > logged_s:
                 tokens_per_s = (clock.tokens - logged_tokens) / (clock.seconds - logged_s)

@@ -9,12 +9,13 @@ Tasks:
   step: one training step of experiments/train.py on one device and on a mesh, per
     implementation; the metrics of both, the parameters' largest relative difference, and the
     shardings the mesh run used.
-  save: one step on a mesh, then an Orbax checkpoint and the state's values (.npz).
+  save: train.py's runs on a mesh, straight and resumed; the checkpoint's values (.npz).
   restore: the checkpoint restored on a mesh of this process's devices, compared with the .npz.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -115,15 +116,29 @@ def _state_values(model, optimizer) -> dict:
 
 
 def task_save(args: dict) -> dict:
+    """experiments/train.py on a mesh: 4 steps straight, and 2 steps then ``--resume`` to 4
+    (both checkpoint every 2 steps); the losses of both, and the first run's final state
+    restored on the same mesh (.npz) with its checkpoint folder for task_restore."""
+    tokens = np.random.default_rng(0).integers(1, 256, 20_000).astype(np.uint8)
     with load_experiment("train") as train:
-        cfg = _train_config(train, "xla", args["mesh"])
+        corpus = train.Corpus(tokens[:18_000], tokens[18_000:], 256, "random bytes")
+        flags = dict(ckpt_every=2, eval_every=0, eval_batches=1, log_every=1)
+        full = _train_config(train, "xla", args["mesh"], out_dir=args["full"], **flags)
+        split = _train_config(train, "xla", args["mesh"], out_dir=args["split"], **flags)
+        train.train(full, corpus=corpus, quiet=True)
+        train.train(split, corpus=corpus, quiet=True, stop_after=2)
+        train.train(dataclasses.replace(split, resume=True), corpus=corpus, quiet=True)
+        losses = {name: [r["loss"] for r in train.read_metrics(
+                      pathlib.Path(path) / "metrics.jsonl") if "loss" in r]
+                  for name, path in (("full", args["full"]), ("split", args["split"]))}
         mesh = _mesh(args["mesh"], jax.device_count())
-        _, _, model, optimizer = _one_step(train, cfg, mesh)
-        manager = train.checkpoint_manager(pathlib.Path(args["dir"]))
-        train.save_checkpoint(manager, 1, model, optimizer)
+        model, optimizer = _build(train, dataclasses.replace(full, seed=1), mesh)
+        manager = train.checkpoint_manager(pathlib.Path(args["full"]))
+        step = train.restore_checkpoint(manager, model, optimizer)
         manager.close()
         np.savez(args["npz"], **_state_values(model, optimizer))
-        return {"w_gate_spec": list(model.blocks[0].ffn.w_gate[...].sharding.spec)}
+        return {"losses": losses, "step": step,
+                "w_gate_spec": list(model.blocks[0].ffn.w_gate[...].sharding.spec)}
 
 
 def task_restore(args: dict) -> dict:
@@ -135,7 +150,7 @@ def task_restore(args: dict) -> dict:
             cfg = _train_config(train, "xla", text, seed=1)  # other values than the saved ones
             mesh = _mesh(text, n)
             model, optimizer = _build(train, cfg, mesh)
-            manager = train.checkpoint_manager(pathlib.Path(args["dir"]))
+            manager = train.checkpoint_manager(pathlib.Path(args["full"]))
             step = train.restore_checkpoint(manager, model, optimizer)
             manager.close()
             restored = _state_values(model, optimizer)

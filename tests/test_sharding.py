@@ -110,14 +110,18 @@ def test_step_on_2x2_mesh_matches_one_device(implementation):
     assert r["param_rel_diff"] < 5e-3, r["param_rel_diff"]
 
 
-def test_checkpoint_moves_between_device_counts(tmp_path):
-    task = {"dir": str(tmp_path / "ckpt"), "npz": str(tmp_path / "state.npz")}
+def test_checkpoints_resume_and_move_between_device_counts(tmp_path):
+    task = {"full": str(tmp_path / "full"), "split": str(tmp_path / "split"),
+            "npz": str(tmp_path / "state.npz")}
     saved = run_worker({"task": "save", "mesh": "data=2,fsdp=2", **task}, 4)
-    assert saved["w_gate_spec"] == [None, "fsdp"]
+    assert saved["step"] == 4 and saved["w_gate_spec"] == [None, "fsdp"]
+    # --resume on the 2 x 2 mesh follows the uninterrupted run exactly.
+    assert len(saved["losses"]["full"]) == 4
+    assert saved["losses"]["split"] == saved["losses"]["full"]
     # One process with 2 devices restores onto 1 of them, then onto both (fsdp=2).
     restored = run_worker({"task": "restore", "meshes": [["", 1], ["fsdp=2", 2]], **task},
                           2)["restored"]
     assert [r["devices"] for r in restored] == [1, 2]
     assert [r["w_gate_spec"] for r in restored] == [[None, None], [None, "fsdp"]]
     for r in restored:
-        assert r["step"] == 1 and r["max_abs_diff"] == 0.0, r
+        assert r["step"] == 4 and r["max_abs_diff"] == 0.0, r

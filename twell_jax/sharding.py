@@ -30,6 +30,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp")
@@ -189,3 +190,9 @@ def shard_batch(batch: np.ndarray | jax.Array, mesh: Mesh) -> jax.Array:
                          f"{n}, the devices of mesh axes {batch_axes_of(mesh)}")
     # From a callback, not device_put: on several hosts each process fills only its devices.
     return jax.make_array_from_callback(batch.shape, batch_sharding(mesh), lambda i: batch[i])
+
+
+def to_host(tree):
+    """Every array of ``tree`` as a whole NumPy array on this process, also when it is split
+    over several hosts' devices (``jax.device_get`` reads only arrays this process holds)."""
+    return multihost_utils.process_allgather(tree, tiled=True)
