@@ -46,8 +46,9 @@ BATCH = 8
 
 def _train_config(train, implementation: str, mesh: str, **kw):
     # warmup 0: the first step already moves the parameters (warm-up starts at lr 0).
-    return train.TrainConfig(model=PRESET, implementation=implementation, batch_size=BATCH,
-                             seq_len=32, steps=4, warmup=0, l1_coeff=0.1, mesh=mesh, **kw)
+    kw = {"batch_size": BATCH, **kw}
+    return train.TrainConfig(model=PRESET, implementation=implementation, seq_len=32, steps=4,
+                             warmup=0, l1_coeff=0.1, mesh=mesh, **kw)
 
 
 def _build(train, cfg, mesh):
@@ -89,9 +90,26 @@ def _max_rel_diff(a, b) -> float:
     return max(float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30)) for x, y in pairs)
 
 
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, SystemExit) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def task_step(args: dict) -> dict:
     out = {}
     with load_experiment("train") as train:
+        mesh = _mesh(args["mesh"], jax.device_count())
+        cfg = _train_config(train, "xla", args["mesh"], batch_size=6)
+        # Errors that name the sizes: a batch the mesh does not divide; a mesh of other devices.
+        out["errors"] = [
+            _error(lambda: sharding.shard_batch(np.zeros((6, 33), np.int32), mesh)),
+            _error(lambda: train.train(cfg, corpus=train.Corpus(np.zeros(99, np.uint8),
+                                                                np.zeros(99, np.uint8), 256, ""))),
+            _error(lambda: train.train(_train_config(train, "xla", "data=3"))),
+        ]
         for impl in args["implementations"]:
             single, p1, _, _ = _one_step(train, _train_config(train, impl, ""), _mesh("", 1))
             cfg = _train_config(train, impl, args["mesh"])

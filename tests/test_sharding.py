@@ -84,7 +84,13 @@ def test_every_parameter_has_logical_axes():
 @pytest.mark.parametrize("implementation", ["xla", "reference", "pallas"])
 def test_step_on_2x2_mesh_matches_one_device(implementation):
     task = {"task": "step", "mesh": "data=2,fsdp=2", "implementations": [implementation]}
-    r = run_worker(task, 4)[implementation]
+    result = run_worker(task, 4)
+    bad_batch, bad_flag, bad_mesh = result["errors"]
+    assert bad_batch.startswith("ValueError") and "multiple of 4" in bad_batch, bad_batch
+    assert bad_flag.startswith("SystemExit: --batch-size 6 must be a multiple of the mesh's 4 "
+                               "devices"), bad_flag
+    assert bad_mesh.startswith("SystemExit: --mesh") and "4 are visible" in bad_mesh, bad_mesh
+    r = result[implementation]
     single, sharded = r["single"], r["sharded"]
     assert r["mesh"].startswith("data=2 x fsdp=2 over 4 cpu devices"), r["mesh"]
     # FSDP: w_gate [D, F] split along F, its Adam moment alike; counters replicated.

@@ -153,9 +153,9 @@ def _per_device(run: Callable, x: jax.Array, ws: tuple[jax.Array, ...], bias: di
     """
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if mesh.empty else sharding.batch_axes_of(mesh)
-    if not axes or x.ndim < 2:
-        return run(x, *ws, **bias)
     n = math.prod(mesh.shape[axis] for axis in axes)
+    if n == 1 or x.ndim < 2:  # one device (or no batch dimension): nothing to split
+        return run(x, *ws, **bias)
     if x.shape[0] % n:
         raise ValueError(f"FFN input of shape {x.shape}: the batch dimension must be a "
                          f"multiple of {n}, the devices of mesh axes {axes}")
