@@ -21,8 +21,8 @@ seeded by (seed, step), so a resumed run sees the same data and follows the same
 Several devices (``twell_jax.sharding``): ``--mesh data=N,fsdp=M`` lays the visible devices out
 as an N x M mesh (default: all on ``data``); the batch is split over both axes (``--batch-size``
 is the global batch, a multiple of N * M) and the parameters with their AdamW moments over
-``fsdp``. Checkpoints hold the unsharded arrays' values: a run saved on one mesh resumes on
-another (any device count). ``--distributed`` first calls ``jax.distributed.initialize()`` for a
+``fsdp``. Checkpoints hold whole arrays: a run saved on one mesh resumes on another (any
+device count); on the same mesh ``--resume`` stays exact. ``--distributed`` first calls ``jax.distributed.initialize()`` for a
 multi-host run (one process per host, see README.md).
 """
 

@@ -16,7 +16,9 @@ XLA sums the weight gradients like any other. ``pallas_call`` cannot be partitio
 this is what makes the Pallas FFN run sharded; the other implementations take the same path, so
 their statistics agree. The statistics are reduced across devices to the single-device values
 (``reduce_stats``), except ``nnz_p99``: the maximum of the per-device 99th percentiles, an upper
-bound of the global one (the exact value needs every token's count).
+bound of the global one (the exact value needs every token's count). The parameters carry logical
+axis names for ``twell_jax.sharding``'s rules: ``("embed", "mlp")`` on w_gate and w_up,
+``("mlp", "embed")`` on w_down, ``("mlp",)`` on the biases.
 
 Statistics: every call sows its ``twell_jax.FFNStats`` as ``nnx.Intermediate`` under the name
 ``"ffn_stats"`` (one tuple entry per call). Sowing is a no-op outside ``nnx.capture``, so a
@@ -127,7 +129,10 @@ class _FFNBase(nnx.Module):
 def reduce_stats(stats: FFNStats, axes: tuple[str, ...]) -> FFNStats:
     """One device's ``FFNStats`` -> those of all the devices' rows, inside ``shard_map`` over
     ``axes`` (every device holds the same number of rows, so a mean of means is the mean).
-    ``nnz_p99`` becomes the maximum of the per-device percentiles: an upper bound."""
+    ``nnz_p99`` becomes the maximum of the per-device percentiles: an upper bound (on every
+    device at least 99% of the counts are at or below it). ``backup_overflow`` and
+    ``dense_fallback`` are true if they were on some device: both are decided per device, and
+    a fixed ``TwELLConfig.backup_rows`` is a capacity per device."""
     l1 = stats.l1
     # Only l1 is differentiable; pmax has no derivative rule, even for counts.
     stats = jax.lax.stop_gradient(stats)
