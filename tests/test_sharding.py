@@ -13,7 +13,6 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from twell_jax import sharding
