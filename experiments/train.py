@@ -17,6 +17,13 @@ per logged step and per evaluation), ``metrics.png`` (loss and non-zeros per tok
 
 ``--resume`` continues from the newest checkpoint in ``--out-dir``: batches come from a sampler
 seeded by (seed, step), so a resumed run sees the same data and follows the same loss curve.
+
+Several devices (``twell_jax.sharding``): ``--mesh data=N,fsdp=M`` lays the visible devices out
+as an N x M mesh (default: all on ``data``); the batch is split over both axes (``--batch-size``
+is the global batch, a multiple of N * M) and the parameters with their AdamW moments over
+``fsdp``. Checkpoints hold whole arrays: a run saved on one mesh resumes on another (any
+device count); on the same mesh ``--resume`` stays exact. ``--distributed`` first calls ``jax.distributed.initialize()`` for a
+multi-host run (one process per host, see README.md).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from twell_jax import model as model_lib
+from twell_jax import sharding
 from twell_jax.ffn import IMPLEMENTATIONS
 
 
@@ -83,6 +91,10 @@ class TrainConfig:
                                     "Hugging Face tokenizer.json (needs the tokenizers package)")
     heldout_fraction: float = _flag(0.05, "fraction of files (or of a token file's tail) held out")
     resume: bool = _flag(False, "continue from the newest checkpoint in --out-dir")
+    mesh: str = _flag("", "device mesh, e.g. data=2,fsdp=2: batch split over both axes, "
+                          "parameters and optimizer state over fsdp; default: all on data")
+    distributed: bool = _flag(False, "call jax.distributed.initialize() first (multi-host: "
+                                     "one process per host; coordinator from the environment)")
 
     @property
     def run_name(self) -> str:
@@ -286,7 +298,9 @@ def _optimizer(lr: float, warmup: int, steps: int, weight_decay: float, grad_cli
         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
 
 
-def build(cfg: TrainConfig, vocab_size: int):
+def build(cfg: TrainConfig, vocab_size: int, mesh: jax.sharding.Mesh | None = None):
+    """The model and its optimizer, their state placed on ``mesh`` (default: ``cfg.mesh`` over
+    every visible device) as ``twell_jax.sharding.shard_state`` splits it."""
     mcfg = dataclasses.replace(model_lib.CONFIGS[cfg.model], implementation=cfg.implementation,
                                remat=cfg.remat)
     if vocab_size > mcfg.vocab_size:
@@ -294,11 +308,11 @@ def build(cfg: TrainConfig, vocab_size: int):
                          f"preset's vocabulary is {mcfg.vocab_size}")
     model = model_lib.Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
     optimizer = nnx.Optimizer(model, build_optimizer(cfg), wrt=nnx.Param)
-    # Commit the state to one device, as restored checkpoints are: jit keys its cache on
-    # committed placement, so a fresh and a resumed run in one process share the compiled step.
-    device = jax.devices()[0]
+    # Committed, sharded placement, as restored checkpoints have: jit keys its cache on it, so
+    # a fresh and a resumed run in one process share the compiled step.
+    mesh = sharding.make_mesh(sharding.parse_mesh(cfg.mesh)) if mesh is None else mesh
     for obj in (model, optimizer):
-        nnx.update(obj, jax.device_put(nnx.state(obj), device))
+        sharding.shard_state(obj, mesh)
     return model, optimizer
 
 
@@ -332,14 +346,14 @@ def nnz_distribution(histograms: np.ndarray) -> dict:
     return {"tokens": int(histograms[0].sum()), "layers": layers}
 
 
-def evaluate(model, corpus: Corpus, cfg: TrainConfig) -> dict:
+def evaluate(model, corpus: Corpus, cfg: TrainConfig, mesh: jax.sharding.Mesh) -> dict:
     """Held-out cross-entropy over ``eval_batches`` fixed batches, the dead-unit fraction per
     layer (units never active over those batches' tokens) and the per-token distribution of
     active units per layer (``nnz_distribution``)."""
     ces, active, histograms = [], None, 0
     for i in range(cfg.eval_batches):
         batch = sample_batch(corpus.heldout, cfg.batch_size, cfg.seq_len, cfg.seed, i, EVAL_STREAM)
-        ce, act, nnz = eval_step(model, jnp.asarray(batch))
+        ce, act, nnz = sharding.to_host(eval_step(model, sharding.shard_batch(batch, mesh)))
         ces.append(float(ce))
         active = act if active is None else active | act
         d_ff = act.shape[1]
@@ -440,6 +454,25 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
     ``stop_after`` ends the run after that step (saving a checkpoint), as if it were killed
     there: tests use it to check that ``--resume`` continues exactly. ``corpus`` skips loading.
     """
+    if cfg.distributed:
+        jax.distributed.initialize()
+    try:
+        mesh = sharding.make_mesh(sharding.parse_mesh(cfg.mesh))
+    except ValueError as e:
+        raise SystemExit(f"--mesh: {e}") from None
+    n_batch = math.prod(mesh.shape[axis] for axis in sharding.batch_axes_of(mesh))
+    if cfg.batch_size % n_batch:
+        raise SystemExit(f"--batch-size {cfg.batch_size} must be a multiple of the mesh's "
+                         f"{n_batch} devices ({sharding.describe(mesh)})")
+    # Several hosts: every process runs the same steps; only the first one logs and writes files.
+    primary = jax.process_index() == 0
+    quiet = quiet or not primary
+    with jax.set_mesh(mesh):
+        return _train(cfg, mesh, primary, stop_after, corpus, quiet)
+
+
+def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after: int | None,
+           corpus: Corpus | None, quiet: bool) -> dict:
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
@@ -448,7 +481,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
         corpus = load_corpus(cfg.data, make_tokenizer(cfg.tokenizer), cfg.heldout_fraction)
     log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     log(f"data: {corpus.description}")
-    model, optimizer = build(cfg, corpus.vocab_size)
+    log(f"mesh: {sharding.describe(mesh)}")
+    model, optimizer = build(cfg, corpus.vocab_size, mesh)
     log(f"model: {cfg.model} ({model.cfg.param_count():,} parameters), FFN "
         f"{cfg.implementation}, L1 {cfg.l1_coeff:g}, out {run_dir}")
     manager = checkpoint_manager(run_dir)
@@ -460,14 +494,16 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
         raise SystemExit(f"{run_dir / 'ckpt'} holds checkpoints; pass --resume to continue, "
                          "or choose another --out-dir")
     records = read_metrics(metrics_path, up_to_step=start) if start else []
-    with open(metrics_path, "w") as f:  # drop lines past the checkpoint
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    if primary:
+        with open(metrics_path, "w") as f:  # drop lines past the checkpoint
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
 
     def append(record: dict) -> None:
         records.append(record)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if primary:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     l1_coeff = jnp.float32(cfg.l1_coeff)
@@ -480,8 +516,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
     logged_s, logged_tokens = 0.0, 0
     last_eval: dict = {}
     for step in bar:
-        batch = jnp.asarray(sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                         step, TRAIN_STREAM))
+        batch = sharding.shard_batch(sample_batch(corpus.train, cfg.batch_size, cfg.seq_len,
+                                                  cfg.seed, step, TRAIN_STREAM), mesh)
         metrics = train_step(model, optimizer, batch, l1_coeff)
         done = step + 1
         if step == start:
@@ -490,7 +526,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
         else:
             clock.tokens += tokens_per_step
         if done % cfg.log_every == 0 or done == end:
-            metrics = jax.device_get(metrics)
+            metrics = sharding.to_host(metrics)
             clock.stop()
             if clock.seconds > logged_s:
                 tokens_per_s = (clock.tokens - logged_tokens) / (clock.seconds - logged_s)
@@ -509,13 +545,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
             jax.block_until_ready(metrics)
             clock.stop()
         if at_eval:
-            last_eval = evaluate(model, corpus, cfg)
+            last_eval = evaluate(model, corpus, cfg, mesh)
             distribution = last_eval.pop("nnz_distribution")
-            (run_dir / "nnz_distribution.json").write_text(json.dumps(
-                {"step": done, "d_ff": model.cfg.d_ff, "source": "held-out batches",
-                 **distribution}) + "\n")
             append({"step": done, **last_eval})
-            write_plot(records, plot_path, cfg.run_name)
+            if primary:
+                (run_dir / "nnz_distribution.json").write_text(json.dumps(
+                    {"step": done, "d_ff": model.cfg.d_ff, "source": "held-out batches",
+                     **distribution}) + "\n")
+                write_plot(records, plot_path, cfg.run_name)
             if not quiet:
                 bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}, "
                           f"dead units by layer {last_eval['dead_frac']}")
@@ -525,7 +562,8 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
             clock.start()
     bar.close()
     manager.close()
-    write_plot(records, plot_path, cfg.run_name)
+    if primary:
+        write_plot(records, plot_path, cfg.run_name)
     last = next((r for r in reversed(records) if "ce" in r), {})
     summary = {
         "step": end,

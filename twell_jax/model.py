@@ -45,7 +45,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from twell_jax import nn, safetensors_io
+from twell_jax import nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
 from twell_jax.ffn import IMPLEMENTATIONS, FFNStats
 
@@ -213,7 +213,7 @@ class RMSNorm(nnx.Module):
     """``x / rms(x) * scale``, computed in float32, returned in ``dtype``."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6, dtype, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), **sharding.logical("embed"))
         self.eps = eps
         self.dtype = dtype
 
@@ -251,8 +251,12 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _dense(rngs: nnx.Rngs, d_in: int, d_out: int, cfg: ModelConfig) -> nnx.Param:
-    return nnx.Param(nn.default_kernel_init(rngs.params(), (d_in, d_out), cfg.param_dtype))
+def _dense(rngs: nnx.Rngs, d_in: int, d_out: int, cfg: ModelConfig,
+           axes: tuple[str, str]) -> nnx.Param:
+    """A [d_in, d_out] weight whose dimensions have the logical names ``axes``
+    (``twell_jax.sharding.LOGICAL_RULES``)."""
+    return nnx.Param(nn.default_kernel_init(rngs.params(), (d_in, d_out), cfg.param_dtype),
+                     **sharding.logical(*axes))
 
 
 def _attention_implementation(dtype, seq_len: int) -> str:
@@ -271,10 +275,10 @@ class Attention(nnx.Module):
         d = cfg.d_model
         self.n_heads, self.head_dim, self.dtype = cfg.n_heads, cfg.head_dim, cfg.dtype
         self.n_kv_heads = cfg.kv_heads
-        self.w_q = _dense(rngs, d, d, cfg)
-        self.w_k = _dense(rngs, d, cfg.kv_heads * cfg.head_dim, cfg)
-        self.w_v = _dense(rngs, d, cfg.kv_heads * cfg.head_dim, cfg)
-        self.w_o = _dense(rngs, d, d, cfg)
+        self.w_q = _dense(rngs, d, d, cfg, ("embed", "heads"))
+        self.w_k = _dense(rngs, d, cfg.kv_heads * cfg.head_dim, cfg, ("embed", "heads"))
+        self.w_v = _dense(rngs, d, cfg.kv_heads * cfg.head_dim, cfg, ("embed", "heads"))
+        self.w_o = _dense(rngs, d, d, cfg, ("heads", "embed"))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         return self.prefill(x, cos, sin)[0]
@@ -391,7 +395,8 @@ class Transformer(nnx.Module):
         # Embedding rows ~ N(0, 1/D): tied logits h @ E^T start near unit variance for a
         # unit-RMS h; the input side multiplies by sqrt(D) so the residual stream starts at RMS 1.
         self.embedding = nnx.Param(jax.random.normal(
-            rngs.params(), (cfg.vocab_size, cfg.d_model), cfg.param_dtype) / math.sqrt(cfg.d_model))
+            rngs.params(), (cfg.vocab_size, cfg.d_model), cfg.param_dtype) / math.sqrt(cfg.d_model),
+            **sharding.logical("vocab", "embed"))
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=cfg.dtype,
                                   param_dtype=cfg.param_dtype)

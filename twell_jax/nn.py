@@ -8,6 +8,18 @@ runs its activations in bf16 gets bf16 FFNs (the precision contract: bf16 inputs
 fp32 accumulation, bf16 outputs) and a float32 model gets float32 FFNs, without a knob per
 layer. Set ``dtype`` to force one: x and the parameters are cast to it and y comes back in it.
 
+Sharding: inside ``jax.set_mesh(mesh)`` with a mesh that has ``twell_jax.sharding.BATCH_AXES``,
+each call runs under ``shard_map``: x is split over those axes along its leading (batch)
+dimension, the weights enter replicated (XLA gathers FSDP shards before the call), every device
+packs and multiplies its own rows (the dense backup and the dense switch decide per device), and
+XLA sums the weight gradients like any other. ``pallas_call`` cannot be partitioned by XLA, so
+this is what makes the Pallas FFN run sharded; the other implementations take the same path, so
+their statistics agree. The statistics are reduced across devices to the single-device values
+(``reduce_stats``), except ``nnz_p99``: the maximum of the per-device 99th percentiles, an upper
+bound of the global one (the exact value needs every token's count). The parameters carry logical
+axis names for ``twell_jax.sharding``'s rules: ``("embed", "mlp")`` on w_gate and w_up,
+``("mlp", "embed")`` on w_down, ``("mlp",)`` on the biases.
+
 Statistics: every call sows its ``twell_jax.FFNStats`` as ``nnx.Intermediate`` under the name
 ``"ffn_stats"`` (one tuple entry per call). Sowing is a no-op outside ``nnx.capture``, so a
 plain ``layer(x)`` records nothing and, under ``jit``, the unused statistics are removed. To
@@ -19,13 +31,17 @@ read them, or to train the L1 penalty (``stats.l1`` is differentiable)::
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
+from twell_jax import sharding
 from twell_jax.config import TwELLConfig
 from twell_jax.ffn import IMPLEMENTATIONS, FFNStats, Implementation, gated_mlp, mlp
 
@@ -87,13 +103,15 @@ class _FFNBase(nnx.Module):
         self.dtype = _check_dtype("dtype", dtype, allow_none=True)
         self.param_dtype = _check_dtype("param_dtype", param_dtype, allow_none=False)
 
-    def _param(self, init, rngs: nnx.Rngs, shape: tuple[int, int]) -> nnx.Param:
-        return nnx.Param(init(rngs.params(), shape, self.param_dtype))
+    def _param(self, init, rngs: nnx.Rngs, shape: tuple[int, int],
+               axes: tuple[str, str]) -> nnx.Param:
+        return nnx.Param(init(rngs.params(), shape, self.param_dtype), **sharding.logical(*axes))
 
     def _bias(self, enabled: bool, d_ff: int) -> nnx.Param | None:
         if not isinstance(enabled, bool):
             raise TypeError(f"gate_bias must be a bool, got {enabled!r}")
-        return nnx.Param(jnp.zeros((d_ff,), self.param_dtype)) if enabled else None
+        return (nnx.Param(jnp.zeros((d_ff,), self.param_dtype), **sharding.logical("mlp"))
+                if enabled else None)
 
     def _run(self, op, x: jax.Array, weights: tuple[nnx.Param, ...], **bias) -> jax.Array:
         x = jnp.asarray(x)
@@ -101,10 +119,62 @@ class _FFNBase(nnx.Module):
         x = x.astype(dtype)
         ws = tuple(w[...].astype(dtype) for w in weights)
         bias = {k: None if b is None else b[...] for k, b in bias.items()}
-        y, stats = op(x, *ws, implementation=self.implementation, config=self.config,
-                      return_stats=True, **bias)
+        run = functools.partial(op, implementation=self.implementation, config=self.config,
+                                return_stats=True)
+        y, stats = _per_device(run, x, ws, bias)
         sow_if_captured(self, nnx.Intermediate, STATS_NAME, stats)
         return checkpoint_name(y, CHECKPOINT_NAME)
+
+
+def reduce_stats(stats: FFNStats, axes: tuple[str, ...]) -> FFNStats:
+    """One device's ``FFNStats`` -> those of all the devices' rows, inside ``shard_map`` over
+    ``axes`` (every device holds the same number of rows, so a mean of means is the mean).
+    ``nnz_p99`` becomes the maximum of the per-device percentiles: an upper bound (on every
+    device at least 99% of the counts are at or below it). ``backup_overflow`` and
+    ``dense_fallback`` are true if they were on some device: both are decided per device, and
+    a fixed ``TwELLConfig.backup_rows`` is a capacity per device."""
+    l1 = stats.l1
+    # Only l1 is differentiable; pmax has no derivative rule, even for counts.
+    stats = jax.lax.stop_gradient(stats)
+    any_ = lambda flag: jax.lax.pmax(flag.astype(jnp.int32), axes) > 0
+    return FFNStats(
+        nnz_mean=jax.lax.pmean(stats.nnz_mean, axes),
+        nnz_p99=jax.lax.pmax(stats.nnz_p99, axes),
+        nnz_max=jax.lax.pmax(stats.nnz_max, axes),
+        l1=jax.lax.pmean(l1, axes),
+        heavy_rows=jax.lax.psum(stats.heavy_rows, axes),
+        backup_overflow=any_(stats.backup_overflow),
+        dense_fallback=any_(stats.dense_fallback),
+    )
+
+
+def _per_device(run: Callable, x: jax.Array, ws: tuple[jax.Array, ...], bias: dict):
+    """``run(x, *ws, **bias) -> (y, stats)``, under ``shard_map`` over the context mesh's batch
+    axes when there are any (see the module docstring), else directly.
+
+    x [B, ..., D] is split along B; ws and bias enter replicated; y comes back split like x and
+    the statistics reduced (``reduce_stats``). Raises ValueError when B is not a multiple of
+    the batch axes' device count.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = () if mesh.empty else sharding.batch_axes_of(mesh)
+    n = math.prod(mesh.shape[axis] for axis in axes)
+    if n == 1 or x.ndim < 2:  # one device (or no batch dimension): nothing to split
+        return run(x, *ws, **bias)
+    if x.shape[0] % n:
+        raise ValueError(f"FFN input of shape {x.shape}: the batch dimension must be a "
+                         f"multiple of {n}, the devices of mesh axes {axes}")
+
+    def body(x, ws, bias):
+        y, stats = run(x, *ws, **bias)
+        return y, reduce_stats(stats, axes)
+
+    # check_vma=False: neither pallas_call outputs nor the ops' custom_vjp rules carry
+    # varying-across-devices types. Unchecked, shard_map's transpose sums the cotangents of the
+    # replicated inputs (the weight gradients) over the batch axes, and the reduced statistics
+    # are the same on every device, as out_specs P() assumes.
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(), P()),
+                         out_specs=(P(axes), P()), check_vma=False)(x, ws, bias)
 
 
 class SparseGatedMLP(_FFNBase):
@@ -134,9 +204,9 @@ class SparseGatedMLP(_FFNBase):
                  gate_bias: bool = False):
         super().__init__(d_model, d_ff, implementation=implementation, config=config,
                          dtype=dtype, param_dtype=param_dtype)
-        self.w_gate = self._param(kernel_init, rngs, (d_model, d_ff))
-        self.w_up = self._param(kernel_init, rngs, (d_model, d_ff))
-        self.w_down = self._param(kernel_init, rngs, (d_ff, d_model))
+        self.w_gate = self._param(kernel_init, rngs, (d_model, d_ff), ("embed", "mlp"))
+        self.w_up = self._param(kernel_init, rngs, (d_model, d_ff), ("embed", "mlp"))
+        self.w_down = self._param(kernel_init, rngs, (d_ff, d_model), ("mlp", "embed"))
         self.b_gate = self._bias(gate_bias, d_ff)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -159,8 +229,8 @@ class SparseMLP(_FFNBase):
                  gate_bias: bool = False):
         super().__init__(d_model, d_ff, implementation=implementation, config=config,
                          dtype=dtype, param_dtype=param_dtype)
-        self.w_up = self._param(kernel_init, rngs, (d_model, d_ff))
-        self.w_down = self._param(kernel_init, rngs, (d_ff, d_model))
+        self.w_up = self._param(kernel_init, rngs, (d_model, d_ff), ("embed", "mlp"))
+        self.w_down = self._param(kernel_init, rngs, (d_ff, d_model), ("mlp", "embed"))
         self.b_up = self._bias(gate_bias, d_ff)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -1,0 +1,279 @@
+"""Training throughput on several GPUs against one: the sparse ("pallas") and dense ("xla")
+models, the same per-device batch, and peak memory per device with FSDP.
+
+On a machine with 2 GPUs (e.g. 2x H200; about 10 minutes):
+
+    python experiments/bench_multi_gpu.py --presets 0.5b,1.5b --out runs/bench_multi_gpu.jsonl
+
+On a CPU, with fake devices (tiny model; about a minute):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python experiments/bench_multi_gpu.py \\
+        --presets tiny --batch 2x32 --runs 2 --implementations xla
+
+Per preset, one subprocess calibrates the FFN gate biases to ``--target-nnz`` active units per
+token (``bench_model.calibrate``) on the largest global batch, so every run's batch (its first
+rows) has the calibrated sparsity. Then one subprocess per (implementation, mesh) times a
+training step (loss with the L1 term, backward, AdamW; remat by default) on:
+
+  - ``1 device``: the first device alone (the baseline);
+  - ``data=N``: every visible device, data parallel (parameters replicated);
+  - ``fsdp=K`` for each ``--fsdp`` size K (data = N / K): parameters and AdamW state split.
+
+Each device gets ``--batch`` B x T tokens, so the N-device step processes N times the tokens;
+``speedup`` = tokens/s on N devices / tokens/s on one, ``efficiency`` = speedup / N. Memory:
+the peak bytes in use on each device (``memory_stats``; not on CPU) and XLA's static estimate
+per device (``compiled_bytes``). One JSON line per measurement goes to ``--out``; a table is
+printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_model  # noqa: E402  (calibration, timing and memory helpers shared with it)
+
+from twell_jax import model as model_lib  # noqa: E402
+from twell_jax import sharding  # noqa: E402
+
+
+def _flag(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiConfig:
+    presets: str = _flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
+    implementations: str = _flag("xla,pallas", "comma list of FFN implementations")
+    batch: str = _flag("8x2048", "per-device training batch BxT")
+    fsdp: str = _flag("2", "comma list of fsdp sizes to measure besides data parallel")
+    target_nnz: float = _flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
+    pattern: str = _flag("uniform", "per-unit firing rates: uniform or heavy (Zipf-like)")
+    runs: int = _flag(10, "timed repetitions per measurement (median reported)")
+    remat: bool = _flag(True, "recompute blocks in the backward (ModelConfig.remat)")
+    l1_coeff: float = _flag(1e-4, "L1 coefficient in the training loss")
+    seed: int = _flag(0, "seed of the weights and the token batches")
+    out: str = _flag("runs/bench_multi_gpu.jsonl", "JSON-lines file the rows are appended to")
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[MultiConfig, str | None]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for field in dataclasses.fields(MultiConfig):
+        flag = f"--{field.name.replace('_', '-')}"
+        if field.type == "bool":
+            parser.add_argument(flag, dest=field.name, default=field.default,
+                                action=argparse.BooleanOptionalAction, help=field.metadata["help"])
+        else:
+            kind = {"int": int, "float": float}.get(field.type, str)
+            parser.add_argument(flag, dest=field.name, type=kind, default=field.default,
+                                help=field.metadata["help"])
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
+    args = parser.parse_args(argv)
+    worker = args.worker
+    del args.worker
+    cfg = MultiConfig(**vars(args))
+    try:
+        for name in _split(cfg.presets):
+            if name not in model_lib.CONFIGS:
+                raise ValueError(f"unknown preset {name!r}; have {sorted(model_lib.CONFIGS)}")
+        for impl in _split(cfg.implementations):
+            if impl not in model_lib.IMPLEMENTATIONS:
+                raise ValueError(f"unknown implementation {impl!r}")
+        if len(bench_model.parse_shapes(cfg.batch, "--batch")) != 1:
+            raise ValueError(f"--batch: expected one BxT, got {cfg.batch!r}")
+        if any(int(k) < 1 for k in _split(cfg.fsdp)):
+            raise ValueError(f"--fsdp sizes must be positive, got {cfg.fsdp!r}")
+        if cfg.pattern not in ("uniform", "heavy"):
+            raise ValueError(f"--pattern must be uniform or heavy, got {cfg.pattern!r}")
+        if cfg.runs < 1 or cfg.target_nnz <= 0:
+            raise ValueError("--runs and --target-nnz must be positive")
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg, worker
+
+
+def _split(text: str) -> list[str]:
+    return [s for s in text.split(",") if s]
+
+
+def meshes(cfg: MultiConfig, n_devices: int) -> list[dict]:
+    """The runs' meshes: {"label", "devices" (the first n), "mesh" (parse_mesh text)}. fsdp
+    sizes that do not divide the device count are skipped (reported by the driver)."""
+    runs = [{"label": "1 device", "devices": 1, "mesh": ""}]
+    if n_devices > 1:
+        runs.append({"label": f"data={n_devices}", "devices": n_devices, "mesh": ""})
+    for k in (int(v) for v in _split(cfg.fsdp)):
+        if k > 1 and n_devices % k == 0:
+            runs.append({"label": f"data={n_devices // k},fsdp={k}", "devices": n_devices,
+                         "mesh": f"fsdp={k}"})
+    return runs
+
+
+def _bench_config(cfg: MultiConfig, n_devices: int) -> bench_model.BenchConfig:
+    """bench_model's view: its training batch is the largest global batch (the calibration
+    batch); no prefill or decode measurements."""
+    b, t = bench_model.parse_shapes(cfg.batch, "--batch")[0]
+    return bench_model.BenchConfig(presets="", target_nnz=cfg.target_nnz, pattern=cfg.pattern,
+                                   prefill="", train_batch=f"{b * n_devices}x{t}", decode="",
+                                   runs=cfg.runs, remat=cfg.remat, l1_coeff=cfg.l1_coeff,
+                                   seed=cfg.seed)
+
+
+# ------------------------------------------------------------------------------------------
+# The worker.
+
+
+def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
+    preset, impl = spec["preset"], spec["implementation"]
+    devices = jax.devices()[:spec["devices"]]
+    mesh = sharding.make_mesh(sharding.parse_mesh(spec["mesh"], len(devices)), devices)
+    bcfg = _bench_config(cfg, spec["all_devices"])
+    model = bench_model.build_model(preset, impl, bcfg)
+    for block, bias in zip(model.blocks, np.load(spec["bias_file"])):
+        block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
+    for obj in (model, optimizer):
+        sharding.shard_state(obj, mesh)
+    b, t = bench_model.parse_shapes(cfg.batch, "")[0]
+    tokens = bench_model.token_batch(model.cfg, bcfg, b * len(devices), t + 1)
+    tokens = sharding.shard_batch(np.asarray(tokens), mesh)
+
+    @nnx.jit
+    def train_step(model, optimizer, tokens):
+        grad_fn = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)
+        (loss, metrics), grads = grad_fn(model, tokens, cfg.l1_coeff)
+        optimizer.update(model, grads)
+        return loss, metrics["nnz_mean"], metrics["dense_fallback"]
+
+    with jax.set_mesh(mesh):
+        loss, nnz, fallback = jax.device_get(train_step(model, optimizer, tokens))
+        timing = bench_model.time_call(lambda: train_step(model, optimizer, tokens), cfg.runs)
+        compiled = bench_model.compiled_bytes(train_step, model, optimizer, tokens)
+    stats = [d.memory_stats() for d in devices]
+    peaks = [None if not s else int(s.get("peak_bytes_in_use", 0)) for s in stats]
+    global_tokens = b * len(devices) * t
+    emit({"kind": "time", "preset": preset, "implementation": impl, "mesh": spec["label"],
+          "mesh_shape": dict(mesh.shape), "devices": len(devices), "per_device_batch": [b, t],
+          **timing, "tokens_per_s": global_tokens / (timing["median_ms"] / 1e3),
+          "loss": float(loss), "nnz_mean": np.asarray(nnz).tolist(),
+          "dense_fallback_layers": int(fallback), "remat": cfg.remat,
+          "peak_bytes_per_device": peaks, "compiled_bytes_per_device": compiled})
+
+
+def worker_calibrate(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
+    bench_model.worker_calibrate(spec, _bench_config(cfg, spec["all_devices"]), emit)
+
+
+# ------------------------------------------------------------------------------------------
+# The driver.
+
+
+def run_worker(spec: dict, argv: Sequence[str], log) -> list[dict]:
+    """Runs one worker subprocess; returns its result rows (an error row if it failed)."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", json.dumps(spec)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
+            if line.startswith("RESULT ")]
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-20:])
+        rows.append({"kind": "error", **spec, "returncode": proc.returncode, "output_tail": tail})
+        log(f"worker failed ({proc.returncode}):\n{tail}")
+    for row in rows:
+        log(json.dumps(row))
+    log(f"[{time.perf_counter() - t0:.0f} s] {spec['task']} {spec['preset']} "
+        f"{spec.get('implementation', '')} {spec.get('label', '')}")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg, worker = parse_args(argv)
+    if worker is not None:
+        spec = json.loads(worker)
+        emit = lambda row: print("RESULT " + json.dumps(row), flush=True)
+        {"calibrate": worker_calibrate, "measure": worker_measure}[spec["task"]](spec, cfg, emit)
+        return []
+    n = jax.device_count()
+    header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": str(jax.devices()[0].device_kind), "devices": n, "jax": jax.__version__,
+              "commit": bench_model._commit(),
+              "command": " ".join(["bench_multi_gpu.py", *argv]),
+              "config": dataclasses.asdict(cfg)}
+    runs = meshes(cfg, n)
+    skipped = [k for k in (int(v) for v in _split(cfg.fsdp)) if k > 1 and n % k]
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    rows = [header]
+    log = lambda text: print(text, flush=True)
+    if skipped:
+        log(f"fsdp sizes {skipped} do not divide the {n} devices: skipped")
+    with open(cfg.out, "a") as out, tempfile.TemporaryDirectory() as tmp:
+        out.write(json.dumps(header) + "\n")
+        for preset in _split(cfg.presets):
+            base = {"preset": preset, "all_devices": n,
+                    "bias_file": os.path.join(tmp, f"{preset}_bias.npy")}
+            specs = [{"task": "calibrate", **base}]
+            specs += [{"task": "measure", "implementation": impl, **base, **run}
+                      for impl in _split(cfg.implementations) for run in runs]
+            for spec in specs:
+                new = run_worker(spec, argv, log)
+                for row in new:
+                    out.write(json.dumps({**row, "commit": header["commit"]}) + "\n")
+                out.flush()
+                rows += new
+                if spec["task"] == "calibrate" and any(r["kind"] == "error" for r in new):
+                    break
+    print_table(scaling_table(rows))
+    return rows
+
+
+def scaling_table(rows: list[dict]) -> list[dict]:
+    """Per (preset, implementation, mesh): tokens/s, speedup over one device, efficiency
+    (speedup / devices) and the largest per-device peak (or XLA's estimate) in GiB."""
+    times = [r for r in rows if r["kind"] == "time"]
+    single = {(r["preset"], r["implementation"]): r["tokens_per_s"]
+              for r in times if r["devices"] == 1}
+    table = []
+    for r in times:
+        base = single.get((r["preset"], r["implementation"]))
+        speedup = r["tokens_per_s"] / base if base else None
+        peaks = [p for p in r["peak_bytes_per_device"] if p is not None]
+        memory = max(peaks) if peaks else r["compiled_bytes_per_device"]
+        table.append({"preset": r["preset"], "implementation": r["implementation"],
+                      "mesh": r["mesh"], "devices": r["devices"],
+                      "tokens_per_s": r["tokens_per_s"], "speedup": speedup,
+                      "efficiency": None if speedup is None else speedup / r["devices"],
+                      "memory_gib": None if memory is None else memory / 2**30,
+                      "memory_source": "peak" if peaks else "compiled estimate"})
+    return table
+
+
+def print_table(table: list[dict]) -> None:
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    print(f"\n{'preset':<7} {'impl':<7} {'mesh':<16} {'tokens/s':>12} {'speedup':>8} "
+          f"{'effic.':>7} {'GiB/device':>11}")
+    for r in table:
+        print(f"{r['preset']:<7} {r['implementation']:<7} {r['mesh']:<16} "
+              f"{r['tokens_per_s']:>12,.0f} {fmt(r['speedup'], '.3f'):>8} "
+              f"{fmt(r['efficiency'], '.3f'):>7} {fmt(r['memory_gib'], '.3f'):>11}"
+              f"{'' if r['memory_source'] == 'peak' else ' (est.)'}")
+
+
+if __name__ == "__main__":
+    main()
