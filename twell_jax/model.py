@@ -19,8 +19,10 @@ nnx.Intermediate)`` does not collect (capture matches the exact type), so traini
 it; ``unit_activity`` captures it to find dead units.
 
 Remat: with ``ModelConfig.remat`` each block runs under ``nnx.remat`` with the policy
-``save_only_these_names("ffn_out")``: the FFN outputs (``nn.CHECKPOINT_NAME``) are kept, everything
-else in the block is recomputed in the backward pass.
+``save_only_these_names("ffn_out", "twell_residuals")``: the FFN outputs (``nn.CHECKPOINT_NAME``)
+and the sparse FFN's packed lists (``ffn.RESIDUALS_NAME``, ~1% of a dense FFN's residuals) are
+kept, so the sparse FFN forward is not run again in the backward; everything else in the block
+(attention, norms; the whole dense FFN for ``"xla"``) is recomputed.
 
 Generation: ``generate`` (one jitted program) and ``generate_chunks`` (a stream of jitted
 chunks) prefill left-aligned prompts of any lengths into a ``KVCache`` (``Transformer.prefill``,
@@ -47,7 +49,7 @@ from flax import nnx
 
 from twell_jax import nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
-from twell_jax.ffn import IMPLEMENTATIONS, FFNStats
+from twell_jax.ffn import IMPLEMENTATIONS, RESIDUALS_NAME, FFNStats
 
 _F32 = jnp.float32
 
@@ -383,7 +385,8 @@ def _run_block(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array) -> ja
     return block(x, cos, sin)
 
 
-_REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(nn.CHECKPOINT_NAME)
+_REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(nn.CHECKPOINT_NAME,
+                                                              RESIDUALS_NAME)
 _run_block_remat = nnx.remat(_run_block, policy=_REMAT_POLICY)
 
 
