@@ -10,9 +10,8 @@ On the H100 (the numbers in BENCHMARKS.md):
     python experiments/bench_ffn.py --suite training --backward   # forward + backward
 
 With ``--backward`` each case times forward + backward instead (all four gradients against a
-random cotangent, dense XLA and each ``PallasOptions.outer`` kernel for the transposed dW
-products), checks every gradient against a float32 HIGHEST-precision dense reference, and
-reports the bytes each path saves for the backward (``saved_residuals``; inputs excluded).
+random cotangent, dense XLA and the sparse path), checks every gradient against a float32
+HIGHEST-precision dense reference, and reports the bytes each path saves for the backward (``saved_residuals``; inputs excluded).
 
 For each case (shape x sparsity pattern) it checks both paths against float64 (numpy, on a sample
 of rows, heavy rows included) before timing, then times the jitted forwards: median over
@@ -45,7 +44,6 @@ import numpy as np
 import twell_jax as tj
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
-from twell_jax import pallas_backend as pb
 from twell_jax.format import heavy_rows
 
 
@@ -335,18 +333,15 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
             return jnp.sum(f32(y) * f32(dy)) + l1_coeff * st.l1
         return loss
 
-    def measure(label, implementation, cfg=config, outer=None):
+    def measure(label, implementation, cfg=config):
         row = {"case": case.name, "kind": "time_fwd_bwd", "label": label}
         try:
-            options = pb.OPTIONS if outer is None else dataclasses.replace(pb.OPTIONS,
-                                                                             outer=outer)
-            with pb.use_options(options):
-                loss = loss_of(implementation, cfg)
-                step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-                got = step(*inputs)
-                # The FFN's own residuals (the loss's product with dy saves dy: not the FFN's).
-                row.update(residual_bytes(functools.partial(
-                    tj.gated_mlp, implementation=implementation, config=cfg), *inputs))
+            loss = loss_of(implementation, cfg)
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+            got = step(*inputs)
+            # The FFN's own residuals (the loss's product with dy saves dy: not the FFN's).
+            row.update(residual_bytes(functools.partial(
+                tj.gated_mlp, implementation=implementation, config=cfg), *inputs))
             for name, g, w in zip(names, got, want):
                 g = np.asarray(f32(g), np.float64)
                 w = np.asarray(w, np.float64)
@@ -365,8 +360,6 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
 
     measure("xla dense FFN fwd+bwd", "xla")
     measure("pallas TwELL FFN fwd+bwd", "pallas")
-    for outer in ("sorted", "atomic", "densified"):
-        measure(f"pallas TwELL FFN fwd+bwd [outer {outer}]", "pallas", outer=outer)
     measure("pallas TwELL FFN fwd+bwd, sparse forced", "pallas",
             cfg=dataclasses.replace(config, dense_fallback_density=1.0))
     if case.m <= 4096:  # the jnp reference is slow at training sizes: small cases only
