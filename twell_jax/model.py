@@ -405,7 +405,7 @@ class Transformer(nnx.Module):
                                   param_dtype=cfg.param_dtype)
         # Untied: the output projection [D, V] (Hugging Face checkpoints with an lm_head).
         self.lm_head = (None if cfg.tie_embeddings
-                        else _dense(rngs, cfg.d_model, cfg.vocab_size, cfg))
+                        else _dense(rngs, cfg.d_model, cfg.vocab_size, cfg, ("embed", "vocab")))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] int -> logits [B, T, V] float32."""
