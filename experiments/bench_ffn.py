@@ -239,6 +239,8 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
                 y = y[0] if isinstance(y, tuple) else y
                 row["rel_err"] = rel_error_float64(y, x, w_gate, w_up, w_down, rows)
             row.update(time_ms(fn, *fn_args, **timing))
+            if "bytes" in row:  # a stage's bytes moved: its rate
+                row["TB_per_s"] = row["bytes"] / row["median_ms"] / 1e9
             if results and "median_ms" in results[0]:  # results[0] is the dense XLA FFN
                 row["speedup_vs_xla"] = results[0]["median_ms"] / row["median_ms"]
         except Exception as e:  # a failing variant is reported, never hidden
@@ -261,24 +263,21 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
 
     # Stages alone (knob sweeps: experiments/bench_stages.py).
     mm = jax.jit(lambda a, b: jnp.dot(a, b))
-    gemm = measure("stage: xla gate GEMM (x @ w_gate, bf16 out)", mm, x, w_gate, check=False)
+    measure("stage: xla gate GEMM (x @ w_gate, bf16 out)", mm, x, w_gate, check=False)
     f_pad = config.num_tiles(case.f) * config.tile_width
     slots = config.max_row_nnz(case.f)
     pre = mm(x, jnp.pad(w_gate, ((0, 0), (0, f_pad - case.f))))
     pack = jax.jit(lambda p: row_pack(p, tile_width=config.tile_width, num_slots=slots))
-    packed = measure("stage: row_pack (pre-activation -> row lists)", pack, pre, check=False)
-    packed["bytes"] = pre.size * pre.dtype.itemsize
+    measure("stage: row_pack (pre-activation -> row lists)", pack, pre, check=False,
+            bytes=pre.size * pre.dtype.itemsize)
     values, columns, counts, total = pack(pre)
     row_nnz = jnp.where(heavy_rows(counts, config, case.f), 0, total)
     valid = jnp.arange(slots)[None, :] < row_nnz[:, None]
     values, columns = jnp.where(valid, values, 0), jnp.where(valid, columns, 0)
     up_down = jax.jit(lambda *a: row_up_down(*a)[0])
-    gathered = measure("stage: row_up_down (light rows)", up_down, x, jnp.asarray(w_up.T),
-                       w_down, values, columns, row_nnz, check=False)
-    gathered["bytes"] = int(jnp.sum(row_nnz)) * 2 * case.d * w_down.dtype.itemsize
-    for row in (gemm, packed, gathered):
-        if "median_ms" in row and "bytes" in row:
-            row["TB_per_s"] = row["bytes"] / row["median_ms"] / 1e9
+    measure("stage: row_up_down (light rows)", up_down, x, jnp.asarray(w_up.T), w_down, values,
+            columns, row_nnz, check=False,
+            bytes=int(jnp.sum(row_nnz)) * 2 * case.d * w_down.dtype.itemsize)
     for row in results:
         if "median_ms" in row and "median_ms" in base:
             row["speedup_vs_xla"] = base["median_ms"] / row["median_ms"]
@@ -435,8 +434,7 @@ def print_table(rows: list[dict]) -> None:
         ratio = f"{r['speedup_vs_xla']:.2f}x" if "speedup_vs_xla" in r else ""
         errs = [v for k, v in r.items() if k.startswith("rel_err")]
         err = f"{max(errs):.2e}" if errs else ""
-        extra = f" gemm-rate {r['fraction_of_xla_gemm_rate']:.2f}" \
-            if "fraction_of_xla_gemm_rate" in r else ""
+        extra = f" {r['TB_per_s']:.2f} TB/s" if "TB_per_s" in r else ""
         if "residual_bytes" in r:
             extra += f" residuals {r['residual_bytes'] / 2**20:.1f} MiB"
         print(f"{r['case']:<20} {r['label'][:66]:<66} {ms:>9} {ratio:>7} {err:>9}{extra}"

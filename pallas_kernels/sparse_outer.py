@@ -90,7 +90,7 @@ class SparseOuterConfig:
 
 
 def default_sparse_outer_config(f: int, d: int) -> SparseOuterConfig:
-    """sparse_down's measured blocks (16 x 512, 4 warps): the same gather, transposed. Blocks
+    """The row-block gather's measured blocks (16 x 512, 4 warps), transposed. Blocks
     shrink to the largest power of two dividing f / d."""
     return SparseOuterConfig(block_f=largest_pow2_divisor(f, 16),
                              block_d=largest_pow2_divisor(d, 512))

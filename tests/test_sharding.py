@@ -98,11 +98,11 @@ def test_step_on_2x2_mesh_matches_one_device(implementation):
     assert r["spec"]["step"] == []
     assert sharded["shard_map"] and not single["shard_map"]
     if implementation == "pallas":
-        kernels = {"twell_pack_rows", "twell_sampled_dot", "twell_sparse_down",
+        kernels = {"twell_row_pack", "twell_row_up_down", "twell_row_backward",
                    "twell_sparse_outer"}
         assert kernels <= set(sharded["kernels"]), sharded["kernels"]
     else:
-        assert not {"twell_pack_rows", "twell_sparse_down"} & set(sharded["kernels"])
+        assert not {"twell_row_pack", "twell_row_up_down"} & set(sharded["kernels"])
     for key in ("loss", "ce", "l1", "grad_norm"):
         assert sharded[key] == pytest.approx(single[key], rel=1e-5), key
     assert sharded["l1_layer"] == pytest.approx(single["l1_layer"], rel=1e-5)
