@@ -21,7 +21,7 @@ from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
 from pallas_kernels.row_backward import row_backward
 from pallas_kernels.sparse_outer import sparse_outer
-from twell_jax.backends import Backend
+from twell_jax.backends.base import Backend
 from twell_jax.config import TwELLConfig
 from twell_jax.dense import gate_pre_activation
 

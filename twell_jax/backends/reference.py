@@ -1,0 +1,100 @@
+"""The ``"reference"`` backend: the TwELL building blocks in plain jnp (the yardstick of the
+kernels).
+
+The list products loop over the list position k up to the batch's largest ``row_nnz`` and touch
+one gathered [M, D] slab per step, so memory stays O(M * D) whatever K is. Entries
+``k >= row_nnz[m]`` are masked: whatever they hold never reaches the result. fp32 accumulation
+throughout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.row_up_down import row_up_down_reference
+from pallas_kernels.sparse_outer import sparse_outer_reference
+from twell_jax.backends.base import Backend
+from twell_jax.config import TwELLConfig
+from twell_jax.format import pack_tiles, row_compact
+
+_F32 = jnp.float32
+
+
+def sampled_dot(a: jax.Array, w: jax.Array, columns: jax.Array, row_nnz: jax.Array) -> jax.Array:
+    """out[m, k] = a[m] . w[columns[m, k]] for k < row_nnz[m], else 0.
+
+    a: [M, D]; w: [F, D]; columns: [M, K] int32; row_nnz: [M] int32. Returns [M, K] float32.
+    """
+    m, k = columns.shape
+    nnz = jnp.clip(row_nnz, 0, k)
+    a32 = a.astype(_F32)
+
+    def step(kk, out):
+        valid = kk < nnz
+        rows = w[jnp.where(valid, columns[:, kk], 0)].astype(_F32)
+        return out.at[:, kk].set(jnp.where(valid, jnp.sum(a32 * rows, axis=1), 0.0))
+
+    return jax.lax.fori_loop(0, jnp.max(nnz, initial=0), step, jnp.zeros((m, k), _F32))
+
+
+def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array, w: jax.Array) -> jax.Array:
+    """out[m] = sum_{k < row_nnz[m]} values[m, k] * w[columns[m, k]].
+
+    values: [M, K]; columns: [M, K] int32; row_nnz: [M]; w: [F, D]. Returns [M, D] float32.
+    (The reference of ``row_up_down``'s non-gated form.)
+    """
+    return row_up_down_reference(None, None, w, values, columns, row_nnz, out_dtype=_F32)[0]
+
+
+def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax.Array,
+                 b: jax.Array, d_ff: int) -> tuple[jax.Array, ...]:
+    """Transposed products: out_i[j] = sum over (m, k) with columns[m, k] = j of values_i[m, k] * b[m].
+
+    values: a tuple of [M, K] arrays sharing the pattern; columns: [M, K]; row_nnz: [M];
+    b: [M, D]. Returns a tuple of [d_ff, D] float32, one per values array (e.g. dW_down =
+    h^T @ dy with h packed). (The ``sparse_outer`` kernel's reference.)
+    """
+    return sparse_outer_reference(values, columns, row_nnz, b, d_ff)
+
+
+def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
+    pre = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    gate = jax.nn.relu(pre if bias is None else pre + bias.astype(jnp.float32))
+    values, columns, counts = pack_tiles(gate, config.tile_width, config.slots_per_tile)
+    values, columns, _ = row_compact(values.astype(x.dtype), columns, counts,
+                                     config.slots_per_tile)
+    return values, columns, counts, counts.sum(axis=1, dtype=jnp.int32), None
+
+
+def _up_down(x, w_up_t, w_down, gate_values, columns, row_nnz):
+    if x is None:
+        y = sparse_dot(gate_values, columns, row_nnz, w_down)
+        return y.astype(w_down.dtype), None
+    up_values = sampled_dot(x, w_up_t, columns, row_nnz)
+    hidden = gate_values.astype(jnp.float32) * up_values
+    y = sparse_dot(hidden, columns, row_nnz, w_down)
+    return y.astype(x.dtype), up_values
+
+
+def _row_backward(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
+                            row_nnz, l1):
+    """The backward's per-row products composed from the generic list products."""
+    g = gate_values.astype(jnp.float32)
+    h = g if up_values is None else g * up_values
+    dh = sampled_dot(dy, w_down, columns, row_nnz)
+    dh = dh + l1 * jnp.sign(h)  # entries past row_nnz: h = 0, sign 0
+    if w_gate_t is None:
+        return sparse_dot(dh, columns, row_nnz, w_up_t), dh, None
+    du, dg = dh * g, dh * up_values
+    dx = (sparse_dot(du, columns, row_nnz, w_up_t)
+          + sparse_dot(dg, columns, row_nnz, w_gate_t))
+    return dx, du, dg
+
+
+BACKEND = Backend(
+    pack=_pack,
+    up_down=_up_down,
+    row_backward=_row_backward,
+    sparse_outer=sparse_outer,
+)
