@@ -7,11 +7,14 @@ Every implementation computes the same function (up to bf16 rounding):
 
 (the biases are optional: a per-unit threshold that sets each unit's firing rate).
 
-- ``"xla"``: the dense jnp computation (the baseline); plain autodiff.
+- ``"xla"``: the dense computation as a plain Flax MLP writes it (GEMMs with x.dtype outputs,
+  float32 accumulation inside; the baseline every speed ratio is taken against); plain autodiff.
 - ``"reference"``: the TwELL algorithm in plain jnp: pack the gate per column tile, compute
   the up projection only at packed positions, down-project from the packed hidden, heavy rows
   through the dense backup. Its backward is sparse too and keeps only packed residuals.
-- ``"pallas"``: the same algorithm on Pallas kernels (interpret mode without a GPU).
+- ``"pallas"``: the same algorithm on Pallas kernels (interpret mode without a GPU): the gate
+  GEMM in XLA, then one program per token row for the packing, the up/down projections and
+  the backward's per-row products.
 
 The L1 statistic (``stats.l1``) is differentiable on every path: its gradient is folded into
 the sparse backward, so ``loss + coeff * stats.l1`` trains the L1 penalty at no dense cost.
