@@ -278,6 +278,43 @@ def test_remat_saves_only_ffn_outputs():
     assert "remat" in text or "checkpoint" in text
 
 
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_remat_keeps_the_sparse_lists_not_the_dense_ffn(implementation, capsys):
+    """The sparse FFN's packed lists cross the remat boundary (named ``RESIDUALS_NAME``), so
+    its forward is not recomputed; nothing of size [tokens, F] is saved. The dense FFN saves
+    no lists (it is recomputed, as before)."""
+    import re
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from twell_jax.ffn import RESIDUALS_NAME
+
+    # d_ff 384: no other [tokens, d_ff] tensor (the tiny vocabulary is 256 wide).
+    remat = model_lib.build("tiny", remat=True, implementation=implementation, d_ff=384)
+    cfg = remat.cfg
+    graphdef, state = nnx.split(remat)
+    x = tokens((2, 9))
+
+    def f(state):
+        return model_lib.loss_fn(nnx.merge(graphdef, state), x, 0.01)[0]
+
+    capsys.readouterr()
+    print_saved_residuals(f, state)  # one line per residual: "f32[16,4] named '...' from ..."
+    lines = capsys.readouterr().out.splitlines()
+    shapes = [tuple(int(n) for n in re.match(r"\w+\[([\d,]*)\]", line).group(1).split(",") if n)
+              for line in lines]
+    lists = [shape for shape, line in zip(shapes, lines) if RESIDUALS_NAME in line]
+    n_tokens = x.shape[0] * (x.shape[1] - 1)
+    if implementation == "xla":
+        assert not lists
+        return
+    assert len(lists) == 7 * cfg.n_layers, lines  # values, u, columns, counts, heavy, 2 flags
+    assert (n_tokens, (cfg.twell or TwELLConfig()).max_row_nnz(cfg.d_ff)) in lists
+    dense = [line for shape, line in zip(shapes, lines)
+             if shape in ((n_tokens, cfg.d_ff), (x.shape[0], x.shape[1] - 1, cfg.d_ff))]
+    assert not dense, dense
+
+
 def test_train_steps_decrease_loss():
     """AdamW steps on one batch with the TwELL reference FFN. The loss and gradients are the
     jitted ones of the tests above (compiled once); the optimizer update runs eagerly."""
