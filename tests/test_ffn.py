@@ -11,7 +11,7 @@ import pytest
 import twell_jax as tj
 from twell_jax import ffn
 from tests.utils import (GRAD_TOLERANCES, PATTERNS, assert_close, dense_ffn_f32, ffn_float64,
-                         make_ffn_inputs)
+                         make_ffn_inputs, seed_of)
 
 SPARSE_IMPLS = ("reference", "pallas")
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -33,7 +33,7 @@ def _call(gated, x, weights, **kwargs):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
 def test_forward_matches_float64(implementation, dtype, pattern, gated):
-    x, *weights = make_ffn_inputs(hash((pattern, gated)) % 2**31, M, D, F, pattern, dtype,
+    x, *weights = make_ffn_inputs(seed_of(pattern, gated), M, D, F, pattern, dtype,
                                   gated=gated)
     run = jax.jit(functools.partial(_call, gated, implementation=implementation, config=CONFIG,
                                     return_stats=True))
@@ -72,7 +72,7 @@ def test_three_d_input_and_stats(implementation):
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS)
 def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
     """All gradients, with the L1 term, against jax.vjp of the dense function."""
-    x, *weights = make_ffn_inputs(3 + hash(pattern) % 100, M, D, F, pattern, dtype, gated=gated)
+    x, *weights = make_ffn_inputs(seed_of(3, pattern), M, D, F, pattern, dtype, gated=gated)
     rng = np.random.default_rng(11)
     dy = jnp.asarray(rng.standard_normal((M, D)), dtype)
     l1_coeff = 0.05
@@ -100,7 +100,7 @@ def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
 def test_gate_bias_forward_and_gradients(implementation, dtype, pattern, gated):
     """The threshold moved from a constant input feature into the bias: y, L1 and every
     gradient (the bias's included) against jax.vjp of the dense function with the bias."""
-    x, *weights = make_ffn_inputs(21 + hash(pattern) % 100, M, D, F, pattern, dtype, gated=gated)
+    x, *weights = make_ffn_inputs(seed_of(21, pattern), M, D, F, pattern, dtype, gated=gated)
     bias = weights[0][-1]  # the threshold row (x's last feature is 1 in these patterns)
     x = x[:, :-1]
     weights = tuple(w[:-1] for w in weights[:-1]) + (weights[-1][:, :-1],)

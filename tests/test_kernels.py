@@ -7,8 +7,6 @@ mode runs each program sequentially.
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 import jax
@@ -17,17 +15,13 @@ import jax.numpy as jnp
 from pallas_kernels.common import default_interpret
 from pallas_kernels.row_backward import row_backward, row_backward_reference
 from pallas_kernels.row_up_down import RowUpDownConfig
+from tests.utils import seed_of
 
 INTERPRET = default_interpret()
 
 # Relative error ||a - b|| / ||b|| allowed per output dtype (bf16: output rounding, 2^-8 per
 # element, against an fp32 reference; fp32: summation order over contraction lengths <= 384).
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
-
-
-def seed_of(*parts) -> int:
-    """A deterministic seed per test case (Python's str hash is salted per process)."""
-    return zlib.crc32(repr(parts).encode())
 
 
 def assert_close(actual, expected, dtype, name: str = "output"):

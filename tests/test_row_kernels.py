@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.row_pack import RowPackConfig, row_pack, row_pack_reference
 from pallas_kernels.row_up_down import RowUpDownConfig, row_up_down, row_up_down_reference
-from tests.test_kernels import assert_close, seed_of
+from tests.test_kernels import assert_close
+from tests.utils import seed_of
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 
