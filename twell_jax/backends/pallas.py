@@ -3,12 +3,13 @@
 The forward: XLA's GEMM writes the gate pre-activation in x.dtype, ``row_pack`` lists each
 row's positive entries (the ReLU applied there), and ``row_up_down`` runs the up and down
 projections one program per token row. The backward's per-row products (dh, du, dg, dx) run
-on ``row_backward``, one program per token row too, and the transposed products (dW = h^T @ dy, (dg, du)^T @ x) on ``sparse_outer`` over a column-sorted view of the
-pattern. Nothing dense is saved for the backward.
+on ``row_backward``, one program per token row too, and the transposed products (dW = h^T @ dy,
+(dg, du)^T @ x) on ``sparse_outer`` over a column-sorted view of the pattern. Nothing dense is
+saved for the backward.
 
-The kernels want block-divisible shapes; this module pads (rows with zeros, which are never
-active; D with zero features, which change no dot product; F with zero gate columns, which are
-never active) and slices the results back, so callers can pass any M, D, F. Without a GPU the
+The kernels want block-divisible shapes; this module pads (D with zero features, which change
+no dot product; F with zero gate columns, which are never active) and slices the results back,
+so callers can pass any M, D, F. Without a GPU the
 kernels run in interpret mode (``pallas_kernels.common.resolve_interpret``).
 """
 
@@ -17,9 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.row_backward import row_backward
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
-from pallas_kernels.row_backward import row_backward
 from pallas_kernels.sparse_outer import sparse_outer
 from twell_jax.backends.base import Backend
 from twell_jax.config import TwELLConfig
