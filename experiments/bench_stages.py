@@ -18,7 +18,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_ffn  # noqa: E402  (the case inputs and the timer)
@@ -31,21 +30,6 @@ from pallas_kernels.row_up_down import (RowUpDownConfig, row_up_down,  # noqa: E
 PACK_VARIANTS = [(1, 512, 1, 2), (1, 512, 1, 1), (1, 512, 1, 3), (1, 256, 1, 2), (2, 512, 1, 2),
                  (1, 128, 1, 2)]
 UP_DOWN_VARIANTS = [(2048, 4, 1), (2048, 4, 2), (2048, 8, 1), (1024, 4, 1)]
-
-
-class DenseMLP(nnx.Module):
-    """The dense FFN as a Flax user writes it: three bias-free bf16 ``nnx.Linear`` layers."""
-
-    def __init__(self, wg, wu, wd):
-        d, f = wg.shape
-        kw = dict(use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                  rngs=nnx.Rngs(0))
-        self.gate, self.up, self.down = (nnx.Linear(d, f, **kw), nnx.Linear(d, f, **kw),
-                                         nnx.Linear(f, d, **kw))
-        self.gate.kernel[...], self.up.kernel[...], self.down.kernel[...] = wg, wu, wd
-
-    def __call__(self, x):
-        return self.down(jax.nn.relu(self.gate(x)) * self.up(x))
 
 
 def run(case_name: str, runs: int, emit) -> None:
@@ -71,10 +55,7 @@ def run(case_name: str, runs: int, emit) -> None:
 
     dense = lambda x, wg, wu, wd: jnp.dot(jax.nn.relu(jnp.dot(x, wg)) * jnp.dot(x, wu), wd)
     measure("ffn", "dense_bf16_gemms", jax.jit(dense), x, wg, wu, wd, y_check=True)
-    model = DenseMLP(wg, wu, wd)
-    graphdef, state = nnx.split(model)
-    flax_fn = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
-    measure("ffn", "flax_nnx_linear", flax_fn, state, x)
+    measure("ffn", "flax_nnx_linear", jax.jit(bench_ffn.flax_dense_mlp), x, wg, wu, wd)
     for impl in ("xla", "pallas"):
         fn = jax.jit(lambda x, a, b, c, impl=impl: tj.gated_mlp(x, a, b, c, implementation=impl))
         measure("ffn", impl, fn, x, wg, wu, wd, y_check=True)

@@ -1,16 +1,16 @@
 """Packs a dense gate pre-activation [M, F] into per-row lists of its positive entries.
 
-For each row, in column order, the entries of ``relu(pre + bias)`` that are positive (NaN counts
-as positive, so it propagates) are listed as ``values`` [M, K] and ``columns`` [M, K] int32 (the
+For each row, in column order, the entries of ``relu(pre)`` that are positive (NaN counts as
+positive, so it propagates) are listed as ``values`` [M, K] and ``columns`` [M, K] int32 (the
 first ``min(row_total, K)`` entries of a row are valid; the rest are unspecified), together with
 the true per-tile counts ``counts`` [M, F / T] int32 and per-row totals ``row_total`` [M] int32.
 A row whose total exceeds K, or whose count in some tile exceeds the TwELL slot limit, is
 *heavy*: the caller computes it densely, so its list never needs more than K entries.
 
 It reads XLA's bf16 GEMM output directly (the ReLU is applied here), so the gate stage is one
-GEMM plus one read of its output. The optional bias is added here in float32; the "pallas"
-backend instead folds it into the GEMM's float32 output before rounding (``dense.
-gate_pre_activation``), which keeps the low bits of gates whose bias cancels most of x @ w. One program per ``block_m`` rows loops
+GEMM plus one read of its output. A gate bias belongs in that GEMM (``dense.
+gate_pre_activation`` folds it in before rounding, which keeps the low bits of gates whose bias
+cancels most of x @ w), so there is none here. One program per ``block_m`` rows loops
 over column chunks of ``chunk`` columns (several tiles at once: fewer dependent steps per
 program than one tile at a time), ranking the positive lanes with a prefix count and writing
 them with one masked scatter per chunk. Disabled lanes are sent to index K (out of range) so
@@ -30,17 +30,13 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_config, check_dense_tiles, resolve_interpret
 
 
-def _row_pack_kernel(*refs, block_m: int, chunk: int, num_chunks: int, tile_width: int,
-                     num_slots: int, has_bias: bool):
+def _row_pack_kernel(pre_ref, values_ref, columns_ref, counts_ref, total_ref, *, block_m: int,
+                     chunk: int, num_chunks: int, tile_width: int, num_slots: int):
     """One program: rows [i * block_m, +block_m), all columns in ``num_chunks`` steps.
 
-    Refs: pre [M, F], [bias [F] float32]; outputs values [M, K], columns [M, K] int32,
-    counts [M, F / T] int32, row_total [M] int32.
+    Refs: pre [M, F]; outputs values [M, K], columns [M, K] int32, counts [M, F / T] int32,
+    row_total [M] int32.
     """
-    if has_bias:
-        pre_ref, bias_ref, values_ref, columns_ref, counts_ref, total_ref = refs
-    else:
-        pre_ref, values_ref, columns_ref, counts_ref, total_ref = refs
     row0 = pl.multiple_of(pl.program_id(0) * block_m, block_m)
     rows = pl.ds(row0, block_m)
     shape = (block_m, chunk)
@@ -51,8 +47,6 @@ def _row_pack_kernel(*refs, block_m: int, chunk: int, num_chunks: int, tile_widt
     def chunk_step(c, length):
         col0 = pl.multiple_of(c * chunk, chunk)
         gate = pre_ref[rows, pl.ds(col0, chunk)].astype(jnp.float32)
-        if has_bias:
-            gate = gate + bias_ref[pl.ds(col0, chunk)][None, :]
         positive = jnp.logical_not(gate <= 0.0)  # > 0 or NaN
         p = positive.astype(jnp.int32)
         rank = length[:, None] + jnp.cumsum(p, axis=1) - p
@@ -102,19 +96,12 @@ def default_row_pack_config(m: int, f: int, tile_width: int) -> RowPackConfig:
     return RowPackConfig(block_m=1, chunk=chunk, num_warps=1)
 
 
-def _check_bias(bias, f: int):
-    if bias is not None and (bias.shape != (f,) or bias.dtype != jnp.float32):
-        raise ValueError(f"bias must be float32 of shape ({f},), got {bias.dtype} {bias.shape}")
-
-
-def row_pack(pre: jax.Array, bias: jax.Array | None = None, *, tile_width: int,
-             num_slots: int, config: RowPackConfig | None = None,
-             interpret: bool | None = None):
-    """Row lists of the positive entries of ``pre + bias``.
+def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
+             config: RowPackConfig | None = None, interpret: bool | None = None):
+    """Row lists of the positive entries of ``pre``.
 
     Args:
       pre: [M, F] gate pre-activation (bf16 or f32); F % tile_width == 0 (the caller pads).
-      bias: optional [F] float32, added before the ReLU.
       tile_width: T, the TwELL tile width (counts are per T columns).
       num_slots: K, list entries kept per row.
       config: ``default_row_pack_config`` when None; chunk must divide F, block_m must divide M.
@@ -123,7 +110,6 @@ def row_pack(pre: jax.Array, bias: jax.Array | None = None, *, tile_width: int,
       order), counts [M, F / T] int32, row_total [M] int32.
     """
     m, f = check_dense_tiles(pre, tile_width, 1)
-    _check_bias(bias, f)
     if not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
     config = default_row_pack_config(m, f, tile_width) if config is None else config
@@ -134,9 +120,7 @@ def row_pack(pre: jax.Array, bias: jax.Array | None = None, *, tile_width: int,
         raise ValueError(f"M={m} is not a multiple of block_m={config.block_m}")
     kernel = functools.partial(
         _row_pack_kernel, block_m=config.block_m, chunk=config.chunk,
-        num_chunks=f // config.chunk, tile_width=tile_width, num_slots=num_slots,
-        has_bias=bias is not None)
-    inputs = (pre,) if bias is None else (pre, bias)
+        num_chunks=f // config.chunk, tile_width=tile_width, num_slots=num_slots)
     return pl.pallas_call(
         kernel,
         out_shape=(
@@ -150,17 +134,13 @@ def row_pack(pre: jax.Array, bias: jax.Array | None = None, *, tile_width: int,
                                              num_stages=config.num_stages),
         interpret=resolve_interpret(interpret),
         name="twell_row_pack",
-    )(*inputs)
+    )(pre)
 
 
-def row_pack_reference(pre: jax.Array, bias: jax.Array | None = None, *, tile_width: int,
-                       num_slots: int):
+def row_pack_reference(pre: jax.Array, *, tile_width: int, num_slots: int):
     """Plain-jnp :func:`row_pack` (entries past a row's list are zero here)."""
     m, f = check_dense_tiles(pre, tile_width, 1)
-    _check_bias(bias, f)
     gate = pre.astype(jnp.float32)
-    if bias is not None:
-        gate = gate + bias
     positive = jnp.logical_not(gate <= 0.0)
     rank = jnp.cumsum(positive, axis=1, dtype=jnp.int32) - 1
     dest = jnp.where(positive & (rank < num_slots), rank, num_slots)  # num_slots = dropped

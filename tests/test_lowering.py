@@ -51,11 +51,10 @@ def export_for_cuda(fn, *args) -> str:
 
 
 @pytest.mark.parametrize("dtype", [BF16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_row_pack_lowers(with_bias, dtype):
-    args = [S((M, F), dtype)] + ([S((F,), jnp.float32)] if with_bias else [])
+def test_row_pack_lowers(dtype):
     module = export_for_cuda(
-        lambda *a: row_pack(*a, tile_width=128, num_slots=88, interpret=False), *args)
+        lambda pre: row_pack(pre, tile_width=128, num_slots=88, interpret=False),
+        S((M, F), dtype))
     assert "twell_row_pack" in module
     assert plgpu.CUSTOM_CALL_TARGET_NAME in module
 
