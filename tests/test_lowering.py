@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import RowUpDownConfig, row_up_down
 from pallas_kernels.row_backward import row_backward
+from pallas_kernels.scan_up_down import ScanUpDownConfig, scan_up_down
 from pallas_kernels.sparse_outer import sparse_outer
 
 M, D, F, K = 256, 256, 512, 32
@@ -71,6 +72,22 @@ def test_row_up_down_lowers(gated, config):
         fn = lambda *a: row_up_down(None, None, *a, config=config, interpret=False)
         module = export_for_cuda(fn, *lists)
     assert "twell_row_up_down" in module
+
+
+@pytest.mark.parametrize("config", [None, ScanUpDownConfig(block_f=512, scan_width=256,
+                                                             block_d=128, num_warps=8)])
+@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_scan_up_down_lowers(gated, m, config):
+    w = S((F, D), BF16)
+    if gated:
+        fn = lambda *a: scan_up_down(*a, config=config, interpret=False)
+        module = export_for_cuda(fn, S((m, F), jnp.float32), S((m, D), BF16), w, w)
+    else:
+        fn = lambda pre, w_down: scan_up_down(pre, None, None, w_down, config=config,
+                                              interpret=False)
+        module = export_for_cuda(fn, S((m, F), BF16), w)
+    assert "twell_scan_up_down" in module
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])

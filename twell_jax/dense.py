@@ -16,10 +16,17 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> j
     zero-padded to a multiple of 64), so the sum is rounded once: a threshold bias cancels
     most of ``x @ w`` for the active units, and adding it after rounding ``x @ w`` to bf16
     would lose the gate's low bits (5-10% gradient errors on small test problems), while a
-    float32 GEMM output plus a separate add pass costs ~0.5 ms per call at M = 16384."""
+    float32 GEMM output plus a separate add pass costs ~0.5 ms per call at M = 16384.
+
+    With few rows (2 M < D: decode) the concatenation would copy the whole weight matrix on
+    every call, more than a float32 output [M, F] costs: there the GEMM emits float32 and the
+    bias is added before the one rounding."""
     if bias is None:
         return jnp.dot(x, w)
     m, d = x.shape
+    if 2 * m < d:
+        pre = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
+        return pre.astype(x.dtype)
     pad = _K_MULTIPLE - d % _K_MULTIPLE
     ones = jnp.zeros((m, pad), x.dtype).at[:, 0].set(1)
     rows = jnp.zeros((pad, w.shape[1]), w.dtype).at[0].set(bias.astype(w.dtype))

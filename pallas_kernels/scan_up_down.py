@@ -1,0 +1,258 @@
+"""The FFN's up/down projections straight from the gate pre-activation: no lists.
+
+For each row m and each unit j with ``pre[m, j] > 0`` (NaN counts as active, so it propagates):
+
+    gated:      y[m] += (pre[m, j] * (x[m] . w_up_t[j])) * w_down[j]      (fp32 accumulation)
+    non-gated:  y[m] += pre[m, j] * w_down[j]
+
+One program per (token row, slice of ``block_f`` columns of F): it scans its slice of the
+pre-activation ``scan_width`` columns at a time and, for each active unit, reads that unit's
+contiguous D-row of ``w_up_t`` and of ``w_down``. Nothing is packed or written in between,
+so a call is one launch after the gate GEMM, and every row is exact whatever its count (no
+capacity, no dense backup). Splitting F over programs is what makes it fast at decode sizes
+(M <= 64 rows): one program per row would leave most of the GPU idle and walk a row's ~28
+units one dependent weight read after another. With several slices, each program writes its
+partial sum and the wrapper adds the slices (a fixed order: the result is deterministic).
+
+Within a chunk the next active unit is found by a min-reduction over the lanes not yet
+visited, so a chunk costs one load plus one reduction per active unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_interpret
+
+
+def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: int,
+                         num_d_chunks: int, dense_units: int, tile_d: int, gated: bool):
+    """One program: row ``program_id(0)``, columns [s * block_f, +block_f) for s =
+    ``program_id(1)``.
+
+    Refs (whole arrays): pre [M, F], [x [M, D], w_up_t [F, D]] (gated only), w_down [F, D];
+    outputs y [M, S, D] and l1 [M, S] float32 (this program's partial sums at [row, s]).
+    """
+    if gated:
+        pre_ref, x_ref, w_up_ref, w_down_ref, y_ref, l1_ref = refs
+    else:
+        pre_ref, w_down_ref, y_ref, l1_ref = refs
+    row = pl.program_id(0)
+    part = pl.program_id(1)
+    d_chunks = [pl.ds(c * block_d, block_d) for c in range(num_d_chunks)]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (scan_width,), 0)
+    d = block_d * num_d_chunks
+    if gated:
+        x_chunks = [x_ref[row, ch].astype(jnp.float32) for ch in d_chunks]
+    for ch in d_chunks:  # dense chunks add into this program's output row as they go
+        y_ref[row, part, ch] = jnp.zeros((block_d,), jnp.float32)
+
+    def unit_step(_, carry):
+        col0, gate, remaining, accs, l1 = carry
+        lane_j = jnp.min(jnp.where(remaining, lane, scan_width))
+        hit = lane == lane_j
+        h = jnp.sum(jnp.where(hit, gate, 0.0))
+        j = col0 + lane_j
+        if gated:
+            # Sum the D chunks' products first: one cross-thread reduction per unit.
+            prod = x_chunks[0] * w_up_ref[j, d_chunks[0]].astype(jnp.float32)
+            for c in range(1, num_d_chunks):
+                prod = prod + x_chunks[c] * w_up_ref[j, d_chunks[c]].astype(jnp.float32)
+            h = h * jnp.sum(prod)
+        accs = tuple(acc + h * w_down_ref[j, ch].astype(jnp.float32)
+                     for acc, ch in zip(accs, d_chunks))
+        return col0, gate, remaining & jnp.logical_not(hit), accs, l1 + jnp.abs(h)
+
+    def chunk_step(c, carry):
+        col0 = part * block_f + c * scan_width
+        cols = col0 + lane
+        gate = plgpu.load(pre_ref.at[row, pl.ds(col0, scan_width)], mask=cols < f,
+                          other=0.0).astype(jnp.float32)
+        active = jnp.logical_not(gate <= 0.0) & (cols < f)  # > 0 or NaN
+        count = jnp.sum(active.astype(jnp.int32))
+
+        def units(carry):
+            return jax.lax.fori_loop(0, count, unit_step, (col0, gate, active, *carry))[3:]
+
+        def dense(carry):
+            accs, l1 = carry
+            rows = pl.ds(col0, scan_width)
+            row_ok = (cols < f)[:, None]
+            h = jnp.where(active, gate, 0.0)
+            if gated:
+                def up_step(k, up):
+                    ks = pl.ds(k * tile_d, tile_d)
+                    w = plgpu.load(w_up_ref.at[rows, ks], mask=row_ok, other=0)
+                    xk = x_ref[row, ks].astype(jnp.float32)
+                    return up + jnp.sum(w.astype(jnp.float32) * xk[None, :], axis=1)
+
+                h = h * jax.lax.fori_loop(0, d // tile_d, up_step,
+                                          jnp.zeros((scan_width,), jnp.float32))
+
+            def down_step(k, _):
+                ks = pl.ds(k * tile_d, tile_d)
+                w = plgpu.load(w_down_ref.at[rows, ks], mask=row_ok, other=0)
+                y_ref[row, part, ks] += jnp.sum(h[:, None] * w.astype(jnp.float32), axis=0)
+                return 0
+
+            jax.lax.fori_loop(0, d // tile_d, down_step, 0)
+            return accs, l1 + jnp.sum(jnp.abs(h))
+
+        # A heavy chunk (many active units) is multiplied densely: independent tile loads
+        # instead of one dependent pair of row reads per unit.
+        return jax.lax.cond(count > dense_units, dense, units, carry)
+
+    zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in d_chunks)
+    # Only the chunks that hold columns < F (all of them but in the last slice).
+    num_chunks = -(-min(block_f, f) // scan_width)
+    accs, l1 = jax.lax.fori_loop(0, num_chunks, chunk_step, (zeros, jnp.float32(0.0)))
+    for acc, ch in zip(accs, d_chunks):
+        y_ref[row, part, ch] += acc
+    l1_ref[row, part] = l1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScanUpDownConfig:
+    """Knobs of :func:`scan_up_down`.
+
+    Attributes:
+      block_f: columns of F per program (power of two); the grid is (M, ceil(F / block_f)).
+      scan_width: columns scanned at once (power of two, <= block_f).
+      block_d: D chunk width (power of two); D must be a multiple of it (the caller pads).
+      num_warps: Triton warps per program.
+      dense_units: a scanned chunk with more active units than this is multiplied densely
+        (its whole [scan_width, D] slabs of w_up_t and w_down); None: scan_width // 8.
+    """
+
+    block_f: int = 128
+    scan_width: int = 128
+    block_d: int = 2048
+    num_warps: int = 4
+    dense_units: int | None = None
+
+    def __post_init__(self):
+        check_config(self, ("block_f", "scan_width", "block_d", "num_warps"))
+        if self.scan_width > self.block_f:
+            raise ValueError(f"scan_width={self.scan_width} must be <= block_f={self.block_f}")
+        if self.dense_units is not None and (not isinstance(self.dense_units, int)
+                                             or self.dense_units < 0):
+            raise ValueError(f"dense_units must be None or an int >= 0, got "
+                             f"{self.dense_units!r}")
+
+    def dense_threshold(self) -> int:
+        return self.scan_width // 8 if self.dense_units is None else self.dense_units
+
+    def tile_d(self) -> int:
+        """D width of the dense chunk's tiles: ~8K values per tile, at most block_d."""
+        return min(self.block_d, max(16, 8192 // self.scan_width))
+
+
+def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
+    """~700 programs (about 5 per SM of an H100) when the rows alone are fewer: F is split
+    into power-of-two slices of at least 128 columns, scanned up to 512 columns at a time;
+    8 warps at D >= 2048. D chunks as in ``row_up_down``: the widest power of two <= 2048.
+
+    H100, D = 2048, F = 5632, ~28 active units per row, bf16 (BENCHMARKS.md, decode stage
+    table): best slices 128 columns at M = 1 and 8, 512 at M = 64; 512-column scans beat
+    128-column ones at 512-column slices; 8 warps >= 4."""
+    slices = max(1, min(-(-704 // max(m, 1)), -(-f // 128)))
+    block_f = max(128, 1 << (-(-f // slices) - 1).bit_length())
+    return ScanUpDownConfig(block_f=block_f, scan_width=min(block_f, 512),
+                            block_d=largest_pow2_divisor(d, 2048),
+                            num_warps=max(1, min(8, d // 256)))
+
+
+def _check_args(pre, x, w_up_t, w_down, gated: bool) -> tuple[int, int, int]:
+    if w_down.ndim != 2:
+        raise ValueError(f"w_down must be 2-D [F, D], got shape {w_down.shape}")
+    f, d = w_down.shape
+    if pre.ndim != 2 or pre.shape[1] != f:
+        raise ValueError(f"pre has shape {pre.shape}, expected (M, {f})")
+    m = pre.shape[0]
+    if gated:
+        if x is None or w_up_t is None:
+            raise ValueError("the gated form needs x and w_up_t")
+        if x.shape != (m, d):
+            raise ValueError(f"x has shape {x.shape}, expected ({m}, {d})")
+        if w_up_t.shape != (f, d):
+            raise ValueError(f"w_up_t has shape {w_up_t.shape}, expected ({f}, {d})")
+    elif x is not None or w_up_t is not None:
+        raise ValueError("the non-gated form takes no x or w_up_t")
+    return m, d, f
+
+
+def scan_up_down(
+    pre: jax.Array,
+    x: jax.Array | None,
+    w_up_t: jax.Array | None,
+    w_down: jax.Array,
+    *,
+    out_dtype=None,
+    config: ScanUpDownConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Gated (x and w_up_t given) or non-gated (both None) sparse up/down from the gate.
+
+    Args:
+      pre: [M, F] gate pre-activation (any float dtype); units with pre > 0 (or NaN) are active.
+      x: [M, D] or None. w_up_t: [F, D] (unit j's up weights in row j) or None. w_down: [F, D].
+      out_dtype: dtype of y (default: x's, or w_down's when non-gated).
+      config: ``default_scan_up_down_config(M, D, F)`` when None; D % block_d == 0.
+      interpret: run the Pallas interpreter (None: iff no GPU).
+    Returns:
+      ``(y [M, D], l1 [M] float32)``: y = ``h @ w_down`` with the hidden ``h = relu(pre) *
+      (x @ w_up_t.T)`` (gated) or ``relu(pre)``, accumulated in float32 over the active units
+      only; l1 = sum_j |h[m, j]| (the L1 statistic).
+    """
+    gated = x is not None
+    m, d, f = _check_args(pre, x, w_up_t, w_down, gated)
+    config = default_scan_up_down_config(m, d, f) if config is None else config
+    if d % config.block_d:
+        raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
+    out_dtype = jnp.dtype(out_dtype or (x.dtype if gated else w_down.dtype))
+    slices = -(-f // config.block_f)
+    kernel = functools.partial(_scan_up_down_kernel, f=f, block_f=config.block_f,
+                               scan_width=config.scan_width, block_d=config.block_d,
+                               num_d_chunks=d // config.block_d,
+                               dense_units=config.dense_threshold(), tile_d=config.tile_d(),
+                               gated=gated)
+    inputs = (pre, x, w_up_t, w_down) if gated else (pre, w_down)
+    y_parts, l1_parts = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((m, slices, d), jnp.float32),
+                   jax.ShapeDtypeStruct((m, slices), jnp.float32)),
+        grid=(m, slices),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=resolve_interpret(interpret),
+        name="twell_scan_up_down",
+    )(*inputs)
+    return jnp.sum(y_parts, axis=1).astype(out_dtype), jnp.sum(l1_parts, axis=1)
+
+
+def scan_up_down_reference(
+    pre: jax.Array,
+    x: jax.Array | None,
+    w_up_t: jax.Array | None,
+    w_down: jax.Array,
+    *,
+    out_dtype=None,
+) -> tuple[jax.Array, jax.Array]:
+    """Plain-jnp :func:`scan_up_down` (same arguments and outputs): dense products in float32
+    with the inactive units' hidden values exactly zero."""
+    gated = x is not None
+    _check_args(pre, x, w_up_t, w_down, gated)
+    out_dtype = jnp.dtype(out_dtype or (x.dtype if gated else w_down.dtype))
+    gate = pre.astype(jnp.float32)
+    h = jnp.where(gate <= 0.0, 0.0, gate)  # NaN stays NaN
+    if gated:
+        up = jnp.dot(x.astype(jnp.float32), w_up_t.astype(jnp.float32).T,
+                     precision=jax.lax.Precision.HIGHEST)
+        h = h * up
+    y = jnp.dot(h, w_down.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return y.astype(out_dtype), jnp.sum(jnp.abs(h), axis=1)

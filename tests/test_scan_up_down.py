@@ -1,0 +1,126 @@
+"""``scan_up_down`` (up/down straight from the gate pre-activation) against numpy float64 and its
+jnp reference, in interpret mode on the CPU (compiled on a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+from pallas_kernels.scan_up_down import (ScanUpDownConfig, default_scan_up_down_config,
+                                         scan_up_down, scan_up_down_reference)
+from tests.test_row_kernels import make_pre
+from tests.utils import assert_close, seed_of
+
+DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+
+
+def numpy_scan_up_down(pre, x, w_up_t, w_down, gated: bool):
+    """Independent float64 loop over each row's active units: (y [M, D], l1 [M])."""
+    pre, w_down = np.asarray(pre, np.float64), np.asarray(w_down, np.float64)
+    y = np.zeros((pre.shape[0], w_down.shape[1]))
+    l1 = np.zeros(pre.shape[0])
+    for m, row in enumerate(pre):
+        for j in np.nonzero(~(row <= 0))[0]:
+            h = row[j]
+            if gated:
+                h *= np.dot(np.asarray(x[m], np.float64), np.asarray(w_up_t[j], np.float64))
+            y[m] += h * w_down[j]
+            l1[m] += abs(h)
+    return y, l1
+
+
+def make_inputs(m, d, f, pattern, dtype, rng):
+    pre = np.array(make_pre(m, f, pattern, dtype, rng))
+    pre[3] = np.where(np.isnan(pre[3]), 0.5, pre[3])  # NaN has its own test
+    cast = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))
+    x = cast(rng.standard_normal((m, d)))
+    w_up_t = cast(rng.standard_normal((f, d)) / np.sqrt(d))
+    w_down = cast(rng.standard_normal((f, d)) / np.sqrt(f))
+    return pre, x, w_up_t, w_down
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("pattern", ["uniform", "heavy"])
+@pytest.mark.parametrize("m,d,f,config", [
+    (5, 64, 256, ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1)),
+    (8, 128, 300, None),  # F not a multiple of the slice: the last slice is masked
+    (6, 64, 384, ScanUpDownConfig(block_f=512, scan_width=128, block_d=64, num_warps=2)),
+])
+def test_scan_up_down_matches_numpy_and_reference(m, d, f, config, pattern, gated, dtype):
+    rng = np.random.default_rng(seed_of("scan_up_down", m, d, f, pattern, gated, str(dtype)))
+    pre, x, w_up_t, w_down = make_inputs(m, d, f, pattern, dtype, rng)
+    args = [jnp.asarray(a, dtype) for a in (pre, x, w_up_t, w_down)]
+    if not gated:
+        args[1] = args[2] = None
+    y, l1 = scan_up_down(*args, out_dtype=jnp.float32, config=config)
+    want, want_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, gated)
+    assert y.dtype == jnp.float32 and y.shape == (m, d) and l1.shape == (m,)
+    assert_close(y, want, jnp.float32, what="scan_up_down vs numpy")
+    assert_close(l1, want_l1, jnp.float32, what="l1 vs numpy")
+    np.testing.assert_array_equal(np.asarray(y[1]), 0.0)  # the all-zero row
+    assert float(l1[1]) == 0.0
+    ref, ref_l1 = scan_up_down_reference(*args, out_dtype=jnp.float32)
+    assert_close(ref, want, jnp.float32, what="reference vs numpy")
+    assert_close(ref_l1, want_l1, jnp.float32, what="reference l1 vs numpy")
+    got, _ = scan_up_down(*args, config=config)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, what="scan_up_down in the input dtype")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_dense_chunks_equal_unit_walks(gated):
+    """Every non-empty chunk dense (threshold 0) or none (threshold = chunk width): the same
+    result, both against numpy, on rows from empty to full."""
+    rng = np.random.default_rng(seed_of("scan_up_down_dense_chunks", gated))
+    pre, x, w_up_t, w_down = make_inputs(6, 64, 300, "heavy", jnp.float32, rng)
+    args = [jnp.asarray(a) for a in (pre, x, w_up_t, w_down)]
+    if not gated:
+        args[1] = args[2] = None
+    want, want_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, gated)
+    for units in (0, 64):
+        config = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1,
+                                  dense_units=units)
+        y, l1 = scan_up_down(*args, config=config)
+        assert_close(y, want, jnp.float32, what=f"y, dense_units={units}")
+        assert_close(l1, want_l1, jnp.float32, what=f"l1, dense_units={units}")
+
+
+def test_scan_up_down_propagates_nan():
+    rng = np.random.default_rng(seed_of("scan_up_down_nan"))
+    pre, x, w_up_t, w_down = make_inputs(6, 64, 256, "uniform", jnp.float32, rng)
+    pre[4, 7] = np.nan
+    y = np.asarray(scan_up_down(*map(jnp.asarray, (pre, x, w_up_t, w_down)))[0])
+    assert np.all(np.isnan(y[4]))
+    assert np.all(np.isfinite(np.delete(y, 4, axis=0)))
+
+
+def test_default_config_fills_the_gpu_at_decode_sizes():
+    for m, slices in [(1, 44), (8, 44), (64, 11), (4096, 1)]:
+        config = default_scan_up_down_config(m, 2048, 5632)
+        assert -(-5632 // config.block_f) == slices, (m, config)
+        assert config.scan_width <= config.block_f and config.block_d == 2048
+
+
+def test_scan_up_down_rejects_bad_input():
+    pre, x = jnp.zeros((4, 256)), jnp.zeros((4, 64))
+    w = jnp.zeros((256, 64))
+    with pytest.raises(ValueError, match="pre has shape"):
+        scan_up_down(pre[:, :128], x, w, w)
+    with pytest.raises(ValueError, match="x has shape"):
+        scan_up_down(pre, x[:, :32], w, w)
+    with pytest.raises(ValueError, match="w_up_t has shape"):
+        scan_up_down(pre, x, w[:, :32], w)
+    with pytest.raises(ValueError, match="needs x and w_up_t"):
+        scan_up_down(pre, x, None, w)
+    with pytest.raises(ValueError, match="takes no x or w_up_t"):
+        scan_up_down(pre, None, w, w)
+    with pytest.raises(ValueError, match="multiple of block_d"):
+        scan_up_down(pre, x, w, w, config=ScanUpDownConfig(block_d=128))
+    with pytest.raises(ValueError, match="scan_width"):
+        ScanUpDownConfig(block_f=128, scan_width=256)
+    with pytest.raises(ValueError, match="power of two"):
+        ScanUpDownConfig(block_f=96)
+    with pytest.raises(ValueError, match="dense_units"):
+        ScanUpDownConfig(dense_units=-1)
