@@ -21,7 +21,9 @@ and a KV cache of ``context`` positions (bf16, the compute dtype):
   the state the prefill left. One call is timed whole, from dispatch to the tokens being
   ready, median over ``--runs``; step time = call time / N, tokens/s = B * N / call time.
   The call's fixed costs (dispatch, copying the non-donated KV cache into the loop once) are
-  included, not subtracted: they are what a caller of ``generate`` pays.
+  included, not subtracted: they are what a caller of ``generate`` pays. Beside it, the same
+  compiled loop stopped after one step (``decode_one_step_call_ms``) and the marginal step
+  time (T(N) - T(1)) / (N - 1), which leaves the fixed costs out.
 - floors per decode step, at ``--hbm-bytes-per-s`` (the H100 SXM's 3.35e12 B/s): the weight
   bytes one step reads (every parameter; the embedding only when it is also the output head,
   since otherwise only B rows of it are gathered), the KV-cache bytes it reads (decode
@@ -178,6 +180,13 @@ def kv_bytes_per_step(mcfg: model_lib.ModelConfig, batch: int, context: int) -> 
     return 2 * mcfg.n_layers * batch * context * mcfg.kv_heads * mcfg.head_dim * itemsize
 
 
+def first_call_seconds(fn: Callable[[], object]) -> float:
+    """Seconds of the first (compiling) call of ``fn``, synchronised."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
 def worker_calibrate(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]) -> None:
     """Calibrates the gate biases on the largest prompt batch and saves them [L, F]."""
     model = build_model(spec["preset"], "xla", cfg)
@@ -209,16 +218,22 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
         return model_lib._start(graphdef, state, prompts, lengths, key, stop, sampling=sampling,
                                 cache_len=cfg.context)
 
+    ttft_compile_s = first_call_seconds(first_token)
     ttft = time_call(first_token, cfg.runs)
     decode_state, first, _ = first_token()
-    n = jnp.int32(steps)
 
-    def decode():
-        return model_lib._decode(graphdef, state, decode_state, n, sampling=sampling,
+    def decode(n: int = steps):
+        # n is traced and chunk static: every n runs the same compiled loop.
+        return model_lib._decode(graphdef, state, decode_state, jnp.int32(n), sampling=sampling,
                                  chunk=steps)
 
+    decode_compile_s = first_call_seconds(decode)
     sampler = PowerSampler()
     timing = time_call(decode, cfg.runs, sampler)
+    # The same loop stopped after one step: its fixed costs (dispatch, copying the cache into
+    # the loop, the output buffers) plus one step, so (T(N) - T(1)) / (N - 1) is the
+    # marginal step time with the fixed costs taken out.
+    one_step = time_call(lambda: decode(1), cfg.runs)
     _, tokens, nnz = decode()
     tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(tokens)], axis=1)  # [B, new]
     nnz = np.asarray(nnz)  # [steps, L]
@@ -245,6 +260,9 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
         "decode_call_ms": timing["median_ms"], "decode_call_p10_ms": timing["p10_ms"],
         "decode_call_p90_ms": timing["p90_ms"], "runs": cfg.runs,
         "step_ms": step_s * 1e3, "decode_tokens_per_s": batch / step_s,
+        "decode_one_step_call_ms": one_step["median_ms"],
+        "marginal_step_ms": (timing["median_ms"] - one_step["median_ms"]) / max(steps - 1, 1),
+        "ttft_compile_s": ttft_compile_s, "decode_compile_s": decode_compile_s,
         "weight_bytes": weight_bytes, "weight_bytes_by_group": weights,
         "weight_bytes_sparse_ffn": int(sparse_bytes), "kv_bytes": kv_bytes,
         "weight_floor_ms": weight_bytes / cfg.hbm_bytes_per_s * 1e3,
