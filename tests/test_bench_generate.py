@@ -53,3 +53,12 @@ def test_bad_flags_exit(bench):
                                           "--new-tokens", "8"], ["--batches", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(flags)
+
+
+def test_decode_hlo_lists_weight_ops():
+    """experiments/decode_hlo.py: the dense model's decode loop casts or transposes no weight
+    every step (bf16 parameters: nothing to cast; XLA keeps the rest outside the loop)."""
+    with load_experiment("decode_hlo") as tool:
+        found = tool.main(["--preset", "tiny", "--implementation", "xla"])
+    assert set(found) == {"loop", "loop, in a branch", "outside the loop"}
+    assert found["loop"] == [] and found["loop, in a branch"] == []
