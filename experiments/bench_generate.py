@@ -34,8 +34,13 @@ and a KV cache of ``context`` positions (bf16, the compute dtype):
 - peak device memory (``memory_stats``; each case runs in its own process), energy per
   generated token (NVML board power during the timed decode calls; null without NVML),
   active FFN units per token during decode (the loop's own statistics), whether the "pallas"
-  FFN takes its sparse path at this batch (the cost model runs decode-sized batches dense on
-  the H100 unless ``--force-sparse``), and the generated tokens (greedy, no stop token).
+  FFN compiles its sparse path for the decode step and for the prefill (its cost model runs
+  small calls dense outright on a GPU unless ``--force-sparse``: decode batches, and a
+  prefill of ~2k tokens; a sparse path may still switch to dense GEMMs at run time), and the
+  generated tokens (greedy, no stop token).
+
+``experiments/decode_hlo.py`` lists the weight-sized transposes and casts inside the compiled
+decode loop.
 
 One JSON line per measurement goes to ``--out`` (a header first); a table of pallas / xla
 ratios (decode tokens/s, time to first token, energy) is printed last.
@@ -247,8 +252,11 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
     sparse_bytes = (weight_bytes - weights["ffn_up_down"]
                     + mcfg.n_layers * 2 * mcfg.d_model * active_rows * itemsize)
     floor_s = (weight_bytes + kv_bytes) / cfg.hbm_bytes_per_s
-    sparse_path = not ffn_lib._sparse_never_pays(batch, mcfg.d_model, mcfg.d_ff, mcfg.dtype,
-                                                 mcfg.twell or TwELLConfig())
+    def sparse_path(tokens: int) -> bool:
+        # The FFN's static (shape-only) switch: False when "pallas" runs the dense function
+        # outright at this many tokens per call (its cost model, on a GPU).
+        return not ffn_lib._sparse_never_pays(tokens, mcfg.d_model, mcfg.d_ff, mcfg.dtype,
+                                              mcfg.twell or TwELLConfig())
     row = {
         "kind": "generate", "preset": preset, "implementation": impl, "batch": batch,
         "device": str(jax.devices()[0].device_kind), "context": cfg.context,
@@ -268,7 +276,9 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
         "weight_floor_ms": weight_bytes / cfg.hbm_bytes_per_s * 1e3,
         "kv_floor_ms": kv_bytes / cfg.hbm_bytes_per_s * 1e3,
         "step_over_floor": step_s / floor_s, "hbm_bytes_per_s": cfg.hbm_bytes_per_s,
-        "pallas_sparse_path": sparse_path if impl == "pallas" else None,
+        "pallas_sparse_path": sparse_path(batch) if impl == "pallas" else None,
+        "pallas_sparse_path_prefill": (sparse_path(batch * int(prompts.shape[1]))
+                                       if impl == "pallas" else None),
         "nnz_decode_mean": float(nnz.mean()), "nnz_decode_by_layer": nnz.mean(0).tolist(),
         "peak_bytes": peak_bytes(),
         "energy_j": timing.get("energy_j"), "mean_power_w": timing.get("mean_power_w"),
