@@ -38,7 +38,7 @@ def tiny_llama(tmp_path, tied: bool):
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
     folder = tmp_path / ("tied" if tied else "lm_head")
-    hf.save_pretrained(folder, safe_serialization=True)
+    hf.save_pretrained(folder)  # safetensors: the default (and in transformers 5 the only)
     assert list(folder.glob("*.safetensors")), "save_pretrained wrote no safetensors file"
     return hf, folder
 
