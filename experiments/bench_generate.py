@@ -1,0 +1,427 @@
+"""Decode benchmark: generation with the sparse FFN ("pallas") against the dense one ("xla").
+
+On the H100 (bf16 parameters, gate biases calibrated to ~28 of 5632 active units per token):
+
+    python experiments/bench_generate.py --presets 0.5b,1.5b --batches 1,8 --context 2048 \\
+        --new-tokens 128 --out runs/bench_generate.jsonl
+
+On a CPU (interpret mode, the tiny model, well under a minute):
+
+    python experiments/bench_generate.py --presets tiny --batches 2 --context 48 \\
+        --new-tokens 8 --runs 2
+
+Per (preset, implementation, batch B), with prompts of P = context - new_tokens random tokens
+and a KV cache of ``context`` positions (bf16, the compute dtype):
+
+- time to first token: ``model._start`` (what ``generate`` runs first: allocate the cache,
+  prefill the B x P prompt batch, sample the first token, the FFN statistics), one jitted call,
+  median over ``--runs`` after two warm-up calls.
+- decode: ``model._decode`` (``generate``'s loop: one ``lax.while_loop`` of N = new_tokens - 1
+  greedy decode steps, no host round trip per token, with the per-step FFN statistics) from
+  the state the prefill left. One call is timed whole, from dispatch to the tokens being
+  ready, median over ``--runs``; step time = call time / N, tokens/s = B * N / call time.
+  The call's fixed costs (dispatch, copying the non-donated KV cache into the loop once) are
+  included, not subtracted: they are what a caller of ``generate`` pays. Beside it, the same
+  compiled loop stopped after one step (``decode_one_step_call_ms``) and the marginal step
+  time (T(N) - T(1)) / (N - 1), which leaves the fixed costs out.
+- floors per decode step, at ``--hbm-bytes-per-s`` (the H100 SXM's 3.35e12 B/s): the weight
+  bytes one step reads (every parameter; the embedding only when it is also the output head,
+  since otherwise only B rows of it are gathered), the KV-cache bytes it reads (decode
+  attention reads the whole [B, context, Nkv, H] cache of every layer, masked), and
+  step time / (weights + KV floor). ``weight_bytes_sparse_ffn``: the weights a sparse step
+  would need at the measured activity (w_gate whole, only active rows of w_up / w_down,
+  B * nnz of them at most per layer), for comparison.
+- peak device memory (``memory_stats``; each case runs in its own process), energy per
+  generated token (NVML board power during the timed decode calls; null without NVML),
+  active FFN units per token during decode (the loop's own statistics), whether the "pallas"
+  FFN compiles its sparse path for the decode step and for the prefill (its cost model runs
+  small calls dense outright on a GPU unless ``--force-sparse``: decode batches, and a
+  prefill of ~2k tokens; a sparse path may still switch to dense GEMMs at run time), and the
+  generated tokens (greedy, no stop token).
+
+``experiments/decode_hlo.py`` lists the weight-sized transposes and casts inside the compiled
+decode loop.
+
+One JSON line per measurement goes to ``--out`` (a header first); a table of pallas / xla
+ratios (decode tokens/s, time to first token, energy) is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_model.py beside this file
+from bench_model import (PowerSampler, _commit, _flag, calibrate, peak_bytes,  # noqa: E402
+                         time_call)
+
+from twell_jax import ffn as ffn_lib  # noqa: E402
+from twell_jax import model as model_lib  # noqa: E402
+from twell_jax.config import TwELLConfig  # noqa: E402
+
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenBenchConfig:
+    presets: str = _flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
+    batches: str = _flag("1,8", "comma list of batch sizes (sequences decoded together)")
+    context: int = _flag(2048, "cache length; prompts have context - new_tokens tokens")
+    new_tokens: int = _flag(128, "tokens generated per sequence (1 from the prefill + decode)")
+    mean_nnz: float = _flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
+    runs: int = _flag(5, "timed repetitions per measurement (median reported)")
+    hbm_bytes_per_s: float = _flag(3.35e12, "memory bandwidth of the floors (H100 SXM)")
+    force_sparse: bool = _flag(False, "pallas: never switch to the dense FFN (TwELLConfig("
+                                      "dense_fallback_density=1.0)), as on a CPU")
+    subprocess: bool = _flag(True, "each case in its own process (its own peak memory)")
+    seed: int = _flag(0, "seed of the weights and the prompts")
+    out: str = _flag("runs/bench_generate.jsonl", "JSON-lines file the records are appended to")
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[GenBenchConfig, str | None]:
+    """(config, the internal --worker spec or None); exits with a message on a bad flag."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for field in dataclasses.fields(GenBenchConfig):
+        flag = f"--{field.name.replace('_', '-')}"
+        if field.type == "bool":
+            parser.add_argument(flag, dest=field.name, default=field.default,
+                                action=argparse.BooleanOptionalAction,
+                                help=field.metadata["help"])
+        else:
+            kind = {"int": int, "float": float}.get(field.type, str)
+            parser.add_argument(flag, dest=field.name, type=kind, default=field.default,
+                                help=field.metadata["help"])
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
+    args = parser.parse_args(argv)
+    worker = args.worker
+    del args.worker
+    cfg = GenBenchConfig(**vars(args))
+    try:
+        for name in presets_of(cfg):
+            if name not in model_lib.CONFIGS:
+                raise ValueError(f"unknown preset {name!r}; have {sorted(model_lib.CONFIGS)}")
+            if cfg.context > model_lib.CONFIGS[name].max_seq_len:
+                raise ValueError(f"--context {cfg.context} exceeds {name}'s max_seq_len "
+                                 f"{model_lib.CONFIGS[name].max_seq_len}")
+        if not batches_of(cfg) or min(batches_of(cfg)) < 1:
+            raise ValueError("--batches must be positive ints")
+        if cfg.new_tokens < 2 or cfg.context - cfg.new_tokens < 1:
+            raise ValueError("need --new-tokens >= 2 (one decode step) and a prompt of >= 1 "
+                             "token (--context > --new-tokens)")
+        if cfg.runs < 1 or cfg.mean_nnz <= 0 or cfg.hbm_bytes_per_s <= 0:
+            raise ValueError("--runs, --mean-nnz and --hbm-bytes-per-s must be positive")
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg, worker
+
+
+def presets_of(cfg: GenBenchConfig) -> list[str]:
+    return [p for p in cfg.presets.split(",") if p]
+
+
+def batches_of(cfg: GenBenchConfig) -> list[int]:
+    return [int(b) for b in cfg.batches.split(",") if b]
+
+
+# ------------------------------------------------------------------------------------------
+# The cases.
+
+
+def build_model(preset: str, implementation: str, cfg: GenBenchConfig) -> model_lib.Transformer:
+    """The preset with bf16 parameters (what a user serves) and per-unit gate biases."""
+    twell = TwELLConfig(dense_fallback_density=1.0) if cfg.force_sparse else None
+    return model_lib.build(preset, implementation=implementation, gate_bias=True,
+                           param_dtype=jnp.bfloat16, twell=twell, seed=cfg.seed)
+
+
+def prompt_batch(mcfg: model_lib.ModelConfig, cfg: GenBenchConfig, batch: int) -> np.ndarray:
+    """[batch, context - new_tokens] int32 random prompts: the first rows of one fixed array,
+    so every batch's prompts are among the calibration batch's (a random model's biases set
+    the target rate on the tokens they were calibrated on, not on fresh ones)."""
+    every = jax.random.randint(jax.random.key(cfg.seed + 1),
+                               (max(batches_of(cfg)), cfg.context - cfg.new_tokens), 0,
+                               mcfg.vocab_size, jnp.int32)
+    return np.asarray(every[:batch])
+
+
+def parameter_bytes(model: model_lib.Transformer) -> dict[str, int]:
+    """Bytes of the parameters one decode step reads, by group: ``"ffn_up_down"`` (w_up and
+    w_down of every layer), ``"ffn_gate"`` (w_gate, b_gate), ``"embedding"`` (0 when untied: a
+    step gathers only B of its rows), ``"other"`` (attention, norms, an untied lm_head)."""
+    groups = {"ffn_up_down": 0, "ffn_gate": 0, "embedding": 0, "other": 0}
+    params = nnx.state(model, nnx.Param).to_pure_dict()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+        nbytes = int(leaf.nbytes)
+        if names[-1] == "embedding":
+            groups["embedding"] += nbytes if model.cfg.tie_embeddings else 0
+        elif "ffn" in names and names[-1] in ("w_up", "w_down"):
+            groups["ffn_up_down"] += nbytes
+        elif "ffn" in names:
+            groups["ffn_gate"] += nbytes
+        else:
+            groups["other"] += nbytes
+    return groups
+
+
+def kv_bytes_per_step(mcfg: model_lib.ModelConfig, batch: int, context: int) -> int:
+    """Bytes of K and V one decode step reads: every layer's [B, context, Nkv, H] caches
+    (``decode_attention`` masks positions past the query but reads them), compute dtype."""
+    itemsize = jnp.dtype(mcfg.dtype).itemsize
+    return 2 * mcfg.n_layers * batch * context * mcfg.kv_heads * mcfg.head_dim * itemsize
+
+
+def first_call_seconds(fn: Callable[[], object]) -> float:
+    """Seconds of the first (compiling) call of ``fn``, synchronised."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def worker_calibrate(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]) -> None:
+    """Calibrates the gate biases on the largest prompt batch and saves them [L, F]."""
+    model = build_model(spec["preset"], "xla", cfg)
+    tokens = jnp.asarray(prompt_batch(model.cfg, cfg, max(batches_of(cfg))))
+    target = cfg.mean_nnz * model.cfg.d_ff / 5632
+    t0 = time.perf_counter()
+    biases = calibrate(model, tokens, target, "uniform", lambda m: print(m, flush=True))
+    np.save(spec["bias_file"], np.stack(biases))
+    emit({"kind": "calibration", "preset": spec["preset"], "target_nnz": target,
+          "tokens": int(tokens.size), "seconds": time.perf_counter() - t0})
+
+
+def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]) -> None:
+    """Times prefill (first token) and the decode loop of one (preset, implementation, B)."""
+    preset, impl, batch = spec["preset"], spec["implementation"], spec["batch"]
+    model = build_model(preset, impl, cfg)
+    mcfg = model.cfg
+    for block, bias in zip(model.blocks, np.load(spec["bias_file"])):
+        block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
+    prompts = jnp.asarray(prompt_batch(mcfg, cfg, batch))
+    lengths = jnp.full((batch,), prompts.shape[1], jnp.int32)
+    steps = cfg.new_tokens - 1
+    graphdef, state = nnx.split(model)
+    sampling = model_lib.Sampling()  # greedy
+    key = jax.random.key(cfg.seed)
+    stop = jnp.zeros((mcfg.vocab_size,), bool)  # no stop token: every sequence runs every step
+
+    def first_token():
+        return model_lib._start(graphdef, state, prompts, lengths, key, stop, sampling=sampling,
+                                cache_len=cfg.context)
+
+    ttft_compile_s = first_call_seconds(first_token)
+    ttft = time_call(first_token, cfg.runs)
+    decode_state, first, _ = first_token()
+
+    def decode(n: int = steps):
+        # n is traced and chunk static: every n runs the same compiled loop.
+        return model_lib._decode(graphdef, state, decode_state, jnp.int32(n), sampling=sampling,
+                                 chunk=steps)
+
+    decode_compile_s = first_call_seconds(decode)
+    sampler = PowerSampler()
+    timing = time_call(decode, cfg.runs, sampler)
+    # The same loop stopped after one step: its fixed costs (dispatch, copying the cache into
+    # the loop, the output buffers) plus one step, so (T(N) - T(1)) / (N - 1) is the
+    # marginal step time with the fixed costs taken out.
+    one_step = time_call(lambda: decode(1), cfg.runs)
+    _, tokens, nnz = decode()
+    tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(tokens)], axis=1)  # [B, new]
+    nnz = np.asarray(nnz)  # [steps, L]
+
+    step_s = timing["median_ms"] / 1e3 / steps
+    weights = parameter_bytes(model)
+    weight_bytes = sum(weights.values())
+    kv_bytes = kv_bytes_per_step(mcfg, batch, cfg.context)
+    itemsize = jnp.dtype(mcfg.param_dtype).itemsize
+    active_rows = min(mcfg.d_ff, batch * float(nnz.mean()))  # per layer, no overlap assumed
+    sparse_bytes = (weight_bytes - weights["ffn_up_down"]
+                    + mcfg.n_layers * 2 * mcfg.d_model * active_rows * itemsize)
+    floor_s = (weight_bytes + kv_bytes) / cfg.hbm_bytes_per_s
+    def sparse_path(tokens: int) -> bool:
+        # The FFN's static (shape-only) switch: False when "pallas" runs the dense function
+        # outright at this many tokens per call (its cost model, on a GPU).
+        return not ffn_lib._sparse_never_pays(tokens, mcfg.d_model, mcfg.d_ff, mcfg.dtype,
+                                              mcfg.twell or TwELLConfig())
+    row = {
+        "kind": "generate", "preset": preset, "implementation": impl, "batch": batch,
+        "device": str(jax.devices()[0].device_kind), "context": cfg.context,
+        "prompt_len": int(prompts.shape[1]), "new_tokens": cfg.new_tokens, "decode_steps": steps,
+        "param_dtype": jnp.dtype(mcfg.param_dtype).name, "force_sparse": cfg.force_sparse,
+        "ttft_ms": ttft["median_ms"], "ttft_p10_ms": ttft["p10_ms"],
+        "ttft_p90_ms": ttft["p90_ms"], "prefill_tokens_per_s": batch * prompts.shape[1]
+        / (ttft["median_ms"] / 1e3),
+        "decode_call_ms": timing["median_ms"], "decode_call_p10_ms": timing["p10_ms"],
+        "decode_call_p90_ms": timing["p90_ms"], "runs": cfg.runs,
+        "step_ms": step_s * 1e3, "decode_tokens_per_s": batch / step_s,
+        "decode_one_step_call_ms": one_step["median_ms"],
+        "marginal_step_ms": (timing["median_ms"] - one_step["median_ms"]) / max(steps - 1, 1),
+        "ttft_compile_s": ttft_compile_s, "decode_compile_s": decode_compile_s,
+        "weight_bytes": weight_bytes, "weight_bytes_by_group": weights,
+        "weight_bytes_sparse_ffn": int(sparse_bytes), "kv_bytes": kv_bytes,
+        "weight_floor_ms": weight_bytes / cfg.hbm_bytes_per_s * 1e3,
+        "kv_floor_ms": kv_bytes / cfg.hbm_bytes_per_s * 1e3,
+        "step_over_floor": step_s / floor_s, "hbm_bytes_per_s": cfg.hbm_bytes_per_s,
+        "pallas_sparse_path": sparse_path(batch) if impl == "pallas" else None,
+        "pallas_sparse_path_prefill": (sparse_path(batch * int(prompts.shape[1]))
+                                       if impl == "pallas" else None),
+        "nnz_decode_mean": float(nnz.mean()), "nnz_decode_by_layer": nnz.mean(0).tolist(),
+        "peak_bytes": peak_bytes(),
+        "energy_j": timing.get("energy_j"), "mean_power_w": timing.get("mean_power_w"),
+        "energy_note": timing.get("energy_note"),
+        "mj_per_token": None if timing.get("energy_j") is None
+        else timing["energy_j"] * 1e3 / (batch * steps * cfg.runs),
+        "tokens": tokens.tolist(),
+    }
+    emit(row)
+
+
+# ------------------------------------------------------------------------------------------
+# The driver.
+
+
+def run_case(spec: dict, cfg: GenBenchConfig, argv: Sequence[str],
+             log: Callable[[str], None]) -> list[dict]:
+    """Runs one worker, in a subprocess with ``cfg.subprocess``; returns its rows (an error
+    row if it failed)."""
+    t0 = time.perf_counter()
+    worker = {"calibrate": worker_calibrate, "measure": worker_measure}[spec["task"]]
+    rows: list[dict] = []
+    if not cfg.subprocess:
+        worker(spec, cfg, rows.append)
+    else:
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", json.dumps(spec)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tail: list[str] = []
+        for line in proc.stdout:
+            if line.startswith("RESULT "):
+                rows.append(json.loads(line[len("RESULT "):]))
+            else:
+                tail = (tail + [line.rstrip()])[-20:]
+        if proc.wait() != 0:
+            rows.append({"kind": "error", **spec, "returncode": proc.returncode,
+                         "output_tail": "\n".join(tail)})
+            log(f"worker failed ({proc.returncode}):\n" + "\n".join(tail))
+    log(f"[{time.perf_counter() - t0:.0f} s] {spec['task']} {spec['preset']} "
+        f"{spec.get('implementation', '')} {spec.get('batch', '')}")
+    return rows
+
+
+def device_kind(cfg: GenBenchConfig) -> str:
+    """The device's name, from a subprocess when cases run in subprocesses (so this process
+    never opens the GPU: JAX would preallocate most of its memory here)."""
+    if not cfg.subprocess:
+        return str(jax.devices()[0].device_kind)
+    try:
+        return subprocess.check_output(
+            [sys.executable, "-c", "import jax; print(jax.devices()[0].device_kind)"],
+            text=True, stderr=subprocess.DEVNULL).strip()
+    except subprocess.CalledProcessError:
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg, worker = parse_args(argv)
+    if worker is not None:
+        spec = json.loads(worker)
+        emit = lambda row: print("RESULT " + json.dumps(row), flush=True)
+        {"calibrate": worker_calibrate, "measure": worker_measure}[spec["task"]](spec, cfg, emit)
+        return []
+    header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": device_kind(cfg), "jax": jax.__version__, "commit": _commit(),
+              "command": " ".join(["bench_generate.py", *argv]),
+              "config": dataclasses.asdict(cfg)}
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    rows = [header]
+    log = lambda text: print(text, flush=True)
+    with open(cfg.out, "a") as out, tempfile.TemporaryDirectory() as tmp:
+        out.write(json.dumps(header) + "\n")
+        for preset in presets_of(cfg):
+            bias_file = os.path.join(tmp, f"{preset}_bias.npy")
+            specs = [{"task": "calibrate", "preset": preset, "bias_file": bias_file}]
+            specs += [{"task": "measure", "preset": preset, "implementation": impl,
+                       "batch": batch, "bias_file": bias_file}
+                      for batch in batches_of(cfg) for impl in IMPLEMENTATIONS]
+            for spec in specs:
+                new = run_case(spec, cfg, argv, log)
+                for row in new:
+                    shown = {k: v for k, v in row.items() if k != "tokens"}
+                    log(json.dumps(shown))
+                    out.write(json.dumps({**row, "commit": header["commit"]}) + "\n")
+                out.flush()
+                rows += new
+                if spec["task"] == "calibrate" and any(r["kind"] == "error" for r in new):
+                    break
+        table = ratio_table(rows)
+        for row in table:
+            out.write(json.dumps({"kind": "ratio", **row, "commit": header["commit"]}) + "\n")
+    rows += [{"kind": "ratio", **row} for row in table]
+    print_table(table)
+    return rows
+
+
+def ratio_table(rows: list[dict]) -> list[dict]:
+    """One row per (preset, batch): both implementations' decode tokens/s, time to first token,
+    step / floor, mJ per token, and pallas / xla of each; ``tokens_agree``: the fraction of
+    generated tokens that are equal (greedy; bf16 rounding may split them late)."""
+    cases = {(r["preset"], r["batch"], r["implementation"]): r for r in rows
+             if r["kind"] == "generate"}
+    table = []
+    for preset, batch in dict.fromkeys((p, b) for p, b, _ in cases):
+        xla, pallas = cases.get((preset, batch, "xla")), cases.get((preset, batch, "pallas"))
+        if xla is None or pallas is None:
+            continue
+
+        def ratio(name):
+            a, b = pallas.get(name), xla.get(name)
+            return None if a is None or not b else a / b
+
+        agree = float(np.mean(np.asarray(pallas["tokens"]) == np.asarray(xla["tokens"])))
+        table.append({
+            "preset": preset, "batch": batch,
+            "decode_tokens_per_s": [xla["decode_tokens_per_s"], pallas["decode_tokens_per_s"]],
+            "decode_ratio": ratio("decode_tokens_per_s"),
+            "ttft_ms": [xla["ttft_ms"], pallas["ttft_ms"]], "ttft_ratio": ratio("ttft_ms"),
+            "step_over_floor": [xla["step_over_floor"], pallas["step_over_floor"]],
+            "mj_per_token": [xla["mj_per_token"], pallas["mj_per_token"]],
+            "energy_ratio": ratio("mj_per_token"),
+            "peak_bytes_ratio": ratio("peak_bytes"),
+            "pallas_sparse_path": pallas["pallas_sparse_path"], "tokens_agree": agree,
+        })
+    return table
+
+
+def print_table(table: list[dict]) -> None:
+    """Prints the ratio table: per (preset, B), xla / pallas values and pallas / xla."""
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    print(f"\n{'preset':<7} {'B':>3} {'decode tok/s xla':>16} {'pallas':>10} {'ratio':>6} "
+          f"{'TTFT ms xla':>12} {'pallas':>10} {'ratio':>6} {'step/floor x,p':>15} "
+          f"{'mJ/tok ratio':>12} {'sparse':>6} {'agree':>6}")
+    for r in table:
+        (dx, dp), (tx, tp), (fx, fp) = r["decode_tokens_per_s"], r["ttft_ms"], r["step_over_floor"]
+        print(f"{r['preset']:<7} {r['batch']:>3} {dx:>16,.1f} {dp:>10,.1f} "
+              f"{fmt(r['decode_ratio'], '.3f'):>6} {tx:>12.2f} {tp:>10.2f} "
+              f"{fmt(r['ttft_ratio'], '.3f'):>6} {f'{fx:.2f}, {fp:.2f}':>15} "
+              f"{fmt(r['energy_ratio'], '.3f'):>12} {str(r['pallas_sparse_path']):>6} "
+              f"{r['tokens_agree']:>6.2f}")
+    print("ratio = pallas / xla (decode tokens/s: higher is better for pallas; TTFT, mJ: lower); "
+          "step/floor = decode step time / (weight + KV bytes at the HBM rate)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""experiments/bench_generate.py on the CPU: every field of a decode record, the ratio table."""
+
+import json
+import math
+
+import pytest
+
+from tests.utils import load_experiment
+
+
+@pytest.fixture(scope="module")
+def bench():
+    with load_experiment("bench_generate") as module:
+        yield module
+
+
+def test_end_to_end_on_tiny(bench, tmp_path, capsys):
+    out = tmp_path / "gen.jsonl"
+    # In-process (no subprocess per case) to stay well under a minute on two CPU cores.
+    rows = bench.main(["--presets", "tiny", "--batches", "2", "--context", "40",
+                       "--new-tokens", "6", "--runs", "1", "--mean-nnz", str(28.0 * 8),
+                       "--no-subprocess", "--out", str(out)])
+    assert not [r for r in rows if r["kind"] == "error"], rows
+    saved = [json.loads(line) for line in out.read_text().splitlines()]
+    assert saved[0]["kind"] == "header" and saved[0]["commit"] and len(saved) == len(rows)
+    cases = {r["implementation"]: r for r in rows if r["kind"] == "generate"}
+    assert set(cases) == {"xla", "pallas"}
+    for r in cases.values():
+        for name in ("ttft_ms", "decode_call_ms", "step_ms", "decode_tokens_per_s",
+                     "weight_floor_ms", "kv_floor_ms", "step_over_floor", "nnz_decode_mean",
+                     "decode_one_step_call_ms", "ttft_compile_s", "decode_compile_s"):
+            assert math.isfinite(r[name]) and r[name] > 0, (name, r[name])
+        assert math.isfinite(r["marginal_step_ms"])  # a difference: CPU noise may flip its sign
+        assert r["prompt_len"] == 34 and r["decode_steps"] == 5
+        assert r["decode_tokens_per_s"] == pytest.approx(2 / (r["step_ms"] / 1e3))
+        assert len(r["nnz_decode_by_layer"]) == 2
+        assert r["energy_j"] is None and r["mj_per_token"] is None  # no NVML on a CPU
+        # Tied embedding: it is the output head, so the floor counts it.
+        assert r["weight_bytes"] == 2 * bench.model_lib.CONFIGS["tiny"].param_count() \
+            + 2 * 2 * 256  # bf16; plus the gate biases [F] of both layers
+        assert len(r["tokens"]) == 2 and all(len(t) == 6 for t in r["tokens"])
+    assert cases["pallas"]["pallas_sparse_path"] is True  # interpret mode: always sparse
+    # The same greedy tokens: the sparse FFN computes the dense function (up to rounding).
+    assert cases["pallas"]["tokens"] == cases["xla"]["tokens"]
+    (ratio,) = [r for r in rows if r["kind"] == "ratio"]
+    assert ratio["decode_ratio"] > 0 and ratio["ttft_ratio"] > 0 and ratio["tokens_agree"] == 1.0
+    assert "TTFT" in capsys.readouterr().out
+
+
+def test_bad_flags_exit(bench):
+    for flags in (["--presets", "nope"], ["--presets", "tiny", "--context", "4096"],
+                  ["--new-tokens", "1"], ["--presets", "tiny", "--context", "8",
+                                          "--new-tokens", "8"], ["--batches", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(flags)
+
+
+def test_decode_hlo_lists_weight_ops():
+    """experiments/decode_hlo.py: the dense model's decode loop casts or transposes no weight
+    every step (bf16 parameters: nothing to cast; XLA keeps the rest outside the loop)."""
+    with load_experiment("decode_hlo") as tool:
+        found = tool.main(["--preset", "tiny", "--implementation", "xla"])
+    assert set(found) == {"loop", "loop, in a branch", "outside the loop"}
+    assert found["loop"] == [] and found["loop, in a branch"] == []
