@@ -33,7 +33,7 @@ import train  # noqa: E402
 from train import _flag  # noqa: E402
 
 from twell_jax import model as model_lib  # noqa: E402
-from twell_jax.ffn import IMPLEMENTATIONS  # noqa: E402
+from twell_jax.backends import IMPLEMENTATIONS  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from twell_jax import model as model_lib
 from twell_jax import sharding
-from twell_jax.ffn import IMPLEMENTATIONS
+from twell_jax.backends import IMPLEMENTATIONS
 
 
 def _flag(default, help: str, **kwargs):

@@ -47,9 +47,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from twell_jax import nn, safetensors_io, sharding
+from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
-from twell_jax.ffn import IMPLEMENTATIONS, RESIDUALS_NAME, FFNStats
+from twell_jax.backends import Implementation
+from twell_jax.ffn import RESIDUALS_NAME, FFNStats
 
 _F32 = jnp.float32
 
@@ -105,7 +106,7 @@ class ModelConfig:
     n_heads: int
     max_seq_len: int
     rope_theta: float = 10_000.0
-    implementation: str = "xla"
+    implementation: Implementation = "xla"
     twell: TwELLConfig | None = None
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
@@ -128,9 +129,7 @@ class ModelConfig:
                              "(rotary embeddings rotate pairs of features)")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
-        if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, "
-                             f"got {self.implementation!r}")
+        backends.check(self.implementation)
         if self.twell is not None and not isinstance(self.twell, TwELLConfig):
             raise TypeError(f"twell must be a TwELLConfig or None, got {type(self.twell).__name__}")
         for name in ("dtype", "param_dtype"):
