@@ -28,7 +28,6 @@ multi-host run (one process per host, see README.md).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hashlib
@@ -49,51 +48,50 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from twell_jax import model as model_lib
-from twell_jax import sharding
-from twell_jax.backends import IMPLEMENTATIONS
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import flag, flag_parser  # noqa: E402  (the scripts' shared flags)
 
-
-def _flag(default, help: str, **kwargs):
-    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+from twell_jax import model as model_lib  # noqa: E402
+from twell_jax import sharding  # noqa: E402
+from twell_jax.backends import IMPLEMENTATIONS  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Every knob of a training run; each field is a command-line flag (``--l1-coeff`` ...)."""
 
-    name: str = _flag("", "run name; default <model>-<implementation>-l1_<l1_coeff>")
-    model: str = _flag("tiny", "model preset (twell_jax.model.CONFIGS)",
+    name: str = flag("", "run name; default <model>-<implementation>-l1_<l1_coeff>")
+    model: str = flag("tiny", "model preset (twell_jax.model.CONFIGS)",
                        choices=tuple(model_lib.CONFIGS))
     # "reference" exercises the TwELL algorithm (pack, sparse up/down, backup, sparse backward)
     # and was not slower than dense on the tiny preset (2-core CPU, 16 x 128 tokens, 200 steps
     # at L1 0.05: reference 43k tokens/s, xla 35k). "pallas" runs its kernels in interpret
     # mode without a GPU: correct but far slower.
-    implementation: str = _flag("reference", "FFN implementation", choices=IMPLEMENTATIONS)
-    remat: bool = _flag(False, "recompute each block in the backward pass (keeps FFN outputs)")
-    l1_coeff: float = _flag(0.01, "coefficient of the L1 penalty on the FFN hidden activations")
-    steps: int = _flag(1000, "optimizer steps")
-    batch_size: int = _flag(32, "sequences per batch")
-    seq_len: int = _flag(128, "tokens per sequence (at most the preset's max_seq_len)")
-    lr: float = _flag(3e-3, "peak learning rate")
-    warmup: int = _flag(50, "linear warm-up steps, then cosine decay to lr / 10")
-    weight_decay: float = _flag(0.1, "AdamW weight decay (matrices only, not norm scales)")
-    grad_clip: float = _flag(1.0, "clip gradients to this global norm")
-    eval_every: int = _flag(250, "evaluate held-out loss every this many steps (0: at the end)")
-    eval_batches: int = _flag(4, "held-out batches per evaluation (the same ones each time)")
-    ckpt_every: int = _flag(250, "save a checkpoint every this many steps (0: only at the end)")
-    log_every: int = _flag(10, "write a metrics.jsonl line every this many steps")
-    out_dir: str = _flag("", "output folder; default runs/<name>")
-    seed: int = _flag(0, "seed of the parameters and of the batch sampler")
-    data: str = _flag("", "a folder of text files, or a .npy / .bin (uint16) token file; "
+    implementation: str = flag("reference", "FFN implementation", choices=IMPLEMENTATIONS)
+    remat: bool = flag(False, "recompute each block in the backward pass (keeps FFN outputs)")
+    l1_coeff: float = flag(0.01, "coefficient of the L1 penalty on the FFN hidden activations")
+    steps: int = flag(1000, "optimizer steps")
+    batch_size: int = flag(32, "sequences per batch")
+    seq_len: int = flag(128, "tokens per sequence (at most the preset's max_seq_len)")
+    lr: float = flag(3e-3, "peak learning rate")
+    warmup: int = flag(50, "linear warm-up steps, then cosine decay to lr / 10")
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices only, not norm scales)")
+    grad_clip: float = flag(1.0, "clip gradients to this global norm")
+    eval_every: int = flag(250, "evaluate held-out loss every this many steps (0: at the end)")
+    eval_batches: int = flag(4, "held-out batches per evaluation (the same ones each time)")
+    ckpt_every: int = flag(250, "save a checkpoint every this many steps (0: only at the end)")
+    log_every: int = flag(10, "write a metrics.jsonl line every this many steps")
+    out_dir: str = flag("", "output folder; default runs/<name>")
+    seed: int = flag(0, "seed of the parameters and of the batch sampler")
+    data: str = flag("", "a folder of text files, or a .npy / .bin (uint16) token file; "
                           "default: the Python standard library's .py files")
-    tokenizer: str = _flag("bytes", "'bytes' (UTF-8 bytes, vocabulary 256) or the path of a "
+    tokenizer: str = flag("bytes", "'bytes' (UTF-8 bytes, vocabulary 256) or the path of a "
                                     "Hugging Face tokenizer.json (needs the tokenizers package)")
-    heldout_fraction: float = _flag(0.05, "fraction of files (or of a token file's tail) held out")
-    resume: bool = _flag(False, "continue from the newest checkpoint in --out-dir")
-    mesh: str = _flag("", "device mesh, e.g. data=2,fsdp=2: batch split over both axes, "
+    heldout_fraction: float = flag(0.05, "fraction of files (or of a token file's tail) held out")
+    resume: bool = flag(False, "continue from the newest checkpoint in --out-dir")
+    mesh: str = flag("", "device mesh, e.g. data=2,fsdp=2: batch split over both axes, "
                           "parameters and optimizer state over fsdp; default: all on data")
-    distributed: bool = _flag(False, "call jax.distributed.initialize() first (multi-host: "
+    distributed: bool = flag(False, "call jax.distributed.initialize() first (multi-host: "
                                      "one process per host; coordinator from the environment)")
 
     @property
@@ -103,22 +101,6 @@ class TrainConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.out_dir or os.path.join("runs", self.run_name))
-
-
-def flag_parser(config_cls, description: str) -> argparse.ArgumentParser:
-    """A parser with one flag per field of a dataclass of defaults (fields made by ``_flag``):
-    ``--field-name``, typed by the default; bools get ``--x / --no-x``."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for field in dataclasses.fields(config_cls):
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(field.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                default=field.default, **field.metadata)
-        else:
-            parser.add_argument(flag, type=type(field.default), default=field.default,
-                                **field.metadata)
-    return parser
 
 
 def parse_args(argv: Sequence[str] | None) -> TrainConfig:
