@@ -453,20 +453,52 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
         return _train(cfg, mesh, primary, stop_after, corpus, quiet)
 
 
-def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after: int | None,
-           corpus: Corpus | None, quiet: bool) -> dict:
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = run_dir / "metrics.jsonl"
-    plot_path = run_dir / "metrics.png"
-    if corpus is None:
-        corpus = load_corpus(cfg.data, make_tokenizer(cfg.tokenizer), cfg.heldout_fraction)
-    log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    log(f"data: {corpus.description}")
-    log(f"mesh: {sharding.describe(mesh)}")
-    model, optimizer = build(cfg, corpus.vocab_size, mesh)
-    log(f"model: {cfg.model} ({model.cfg.param_count():,} parameters), FFN "
-        f"{cfg.implementation}, L1 {cfg.l1_coeff:g}, out {run_dir}")
+class _Records:
+    """The run's metric records, appended to ``metrics.jsonl`` as they come (by the primary
+    process only)."""
+
+    def __init__(self, path: Path, records: list[dict], primary: bool):
+        self.path, self.records, self.primary = path, records, primary
+        if primary:
+            with open(path, "w") as f:  # drop lines past the checkpoint
+                f.writelines(json.dumps(r) + "\n" for r in records)
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        if self.primary:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class _Clock:
+    """Accumulates wall time between start() and stop(), and a token count."""
+
+    def __init__(self):
+        self.seconds, self.tokens, self._since = 0.0, 0, None
+        self._logged_seconds, self._logged_tokens = 0.0, 0
+        self._rate = float("nan")
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._since is not None:
+            self.seconds += time.perf_counter() - self._since
+            self._since = None
+
+    def rate_since_last(self) -> float:
+        """Tokens/s over the time counted since the previous call (the previous rate when no
+        time was counted; NaN before any)."""
+        if self.seconds > self._logged_seconds:
+            self._rate = ((self.tokens - self._logged_tokens)
+                          / (self.seconds - self._logged_seconds))
+        self._logged_seconds, self._logged_tokens = self.seconds, self.tokens
+        return self._rate
+
+
+def _start_run(cfg: TrainConfig, run_dir: Path, model, optimizer, primary: bool, log):
+    """The checkpoint manager, the step to start from (restored with ``--resume``) and the
+    metric records up to it; writes the run's config.json."""
     manager = checkpoint_manager(run_dir)
     start = 0
     if cfg.resume:
@@ -475,77 +507,50 @@ def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after:
     elif manager.latest_step() is not None:
         raise SystemExit(f"{run_dir / 'ckpt'} holds checkpoints; pass --resume to continue, "
                          "or choose another --out-dir")
-    records = read_metrics(metrics_path, up_to_step=start) if start else []
+    metrics_path = run_dir / "metrics.jsonl"
+    records = _Records(metrics_path, read_metrics(metrics_path, up_to_step=start) if start else [],
+                       primary)
     if primary:
-        with open(metrics_path, "w") as f:  # drop lines past the checkpoint
-            f.writelines(json.dumps(r) + "\n" for r in records)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    return manager, start, records
 
-    def append(record: dict) -> None:
-        records.append(record)
-        if primary:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    l1_coeff = jnp.float32(cfg.l1_coeff)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=quiet,
-               dynamic_ncols=True, desc=cfg.run_name)
-    # Training time excludes the first step (compilation), evaluations and checkpoints.
-    clock = _Clock()
-    tokens_per_s = float("nan")
-    logged_s, logged_tokens = 0.0, 0
-    last_eval: dict = {}
-    for step in bar:
-        batch = sharding.shard_batch(sample_batch(corpus.train, cfg.batch_size, cfg.seq_len,
-                                                  cfg.seed, step, TRAIN_STREAM), mesh)
-        metrics = train_step(model, optimizer, batch, l1_coeff)
-        done = step + 1
-        if step == start:
-            jax.block_until_ready(metrics)
-            clock.start()
-        else:
-            clock.tokens += tokens_per_step
-        if done % cfg.log_every == 0 or done == end:
-            metrics = sharding.to_host(metrics)
-            clock.stop()
-            if clock.seconds > logged_s:
-                tokens_per_s = (clock.tokens - logged_tokens) / (clock.seconds - logged_s)
-            logged_s, logged_tokens = clock.seconds, clock.tokens
-            clock.start()
-            record = {"step": done, **{k: _jsonable(v) for k, v in metrics.items()},
-                      "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 1)}
-            append(record)
-            bar.set_postfix(loss=f"{record['ce']:.3f}", nnz=f"{np.mean(record['nnz_mean']):.1f}",
-                            tok_s=f"{tokens_per_s:,.0f}")
-            if not np.isfinite(record["loss"]):
-                raise FloatingPointError(f"loss is {record['loss']} at step {done}")
-        at_eval = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
-        at_ckpt = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
-        if at_eval or at_ckpt:
-            jax.block_until_ready(metrics)
-            clock.stop()
-        if at_eval:
-            last_eval = evaluate(model, corpus, cfg, mesh)
-            distribution = last_eval.pop("nnz_distribution")
-            append({"step": done, **last_eval})
-            if primary:
-                (run_dir / "nnz_distribution.json").write_text(json.dumps(
-                    {"step": done, "d_ff": model.cfg.d_ff, "source": "held-out batches",
-                     **distribution}) + "\n")
-                write_plot(records, plot_path, cfg.run_name)
-            if not quiet:
-                bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}, "
-                          f"dead units by layer {last_eval['dead_frac']}")
-        if at_ckpt:
-            save_checkpoint(manager, done, model, optimizer)
-        if at_eval or at_ckpt:
-            clock.start()
-    bar.close()
-    manager.close()
-    if primary:
-        write_plot(records, plot_path, cfg.run_name)
+def _log_metrics(metrics, done: int, clock: _Clock, records: _Records, bar) -> None:
+    """Records one step's training metrics and the throughput since the previous record."""
+    metrics = sharding.to_host(metrics)
+    clock.stop()
+    tokens_per_s = clock.rate_since_last()
+    clock.start()
+    record = {"step": done, **{k: _jsonable(v) for k, v in metrics.items()},
+              "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 1)}
+    records.append(record)
+    bar.set_postfix(loss=f"{record['ce']:.3f}", nnz=f"{np.mean(record['nnz_mean']):.1f}",
+                    tok_s=f"{tokens_per_s:,.0f}")
+    if not np.isfinite(record["loss"]):
+        raise FloatingPointError(f"loss is {record['loss']} at step {done}")
+
+
+def _evaluate_and_record(model, corpus: Corpus, cfg: TrainConfig, mesh, done: int,
+                         records: _Records, run_dir: Path, bar, quiet: bool) -> dict:
+    """Held-out evaluation at step ``done``: recorded, the nnz distribution and the plot
+    written; returns the evaluation (without the distribution)."""
+    evaluation = evaluate(model, corpus, cfg, mesh)
+    distribution = evaluation.pop("nnz_distribution")
+    records.append({"step": done, **evaluation})
+    if records.primary:
+        (run_dir / "nnz_distribution.json").write_text(json.dumps(
+            {"step": done, "d_ff": model.cfg.d_ff, "source": "held-out batches",
+             **distribution}) + "\n")
+        write_plot(records.records, run_dir / "metrics.png", cfg.run_name)
+    if not quiet:
+        bar.write(f"step {done}: held-out loss {evaluation['eval_loss']:.4f}, "
+                  f"dead units by layer {evaluation['dead_frac']}")
+    return evaluation
+
+
+def _summarize(cfg: TrainConfig, end: int, records: list[dict], last_eval: dict, clock: _Clock,
+               run_dir: Path, d_ff: int, log) -> dict:
+    """The run's summary (last training record, last evaluation, throughput), logged."""
     last = next((r for r in reversed(records) if "ce" in r), {})
     summary = {
         "step": end,
@@ -563,25 +568,63 @@ def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after:
     log(f"done: step {end}/{cfg.steps}; train cross-entropy {first.get('ce', float('nan')):.3f} "
         f"-> {summary['train_ce']:.3f}; held-out loss {summary['eval_loss']}")
     log(f"  nnz per token by layer: {_fmt(first.get('nnz_mean'))} -> {_fmt(summary['nnz_mean'])} "
-        f"of {model.cfg.d_ff} (p99 {summary['nnz_p99']}, max {summary['nnz_max']}); heavy rows {summary['heavy_rows']}")
+        f"of {d_ff} (p99 {summary['nnz_p99']}, max {summary['nnz_max']}); heavy rows {summary['heavy_rows']}")
     log(f"  dead units by layer: {summary['dead_frac']}; {summary['tokens_per_s']} tokens/s; "
-        f"logs {metrics_path}, plot {plot_path}")
+        f"logs {run_dir / 'metrics.jsonl'}, plot {run_dir / 'metrics.png'}")
     return summary
 
 
-class _Clock:
-    """Accumulates wall time between start() and stop(), and a token count."""
+def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after: int | None,
+           corpus: Corpus | None, quiet: bool) -> dict:
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if corpus is None:
+        corpus = load_corpus(cfg.data, make_tokenizer(cfg.tokenizer), cfg.heldout_fraction)
+    log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    log(f"data: {corpus.description}")
+    log(f"mesh: {sharding.describe(mesh)}")
+    model, optimizer = build(cfg, corpus.vocab_size, mesh)
+    log(f"model: {cfg.model} ({model.cfg.param_count():,} parameters), FFN "
+        f"{cfg.implementation}, L1 {cfg.l1_coeff:g}, out {run_dir}")
+    manager, start, records = _start_run(cfg, run_dir, model, optimizer, primary, log)
 
-    def __init__(self):
-        self.seconds, self.tokens, self._since = 0.0, 0, None
-
-    def start(self) -> None:
-        self._since = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._since is not None:
-            self.seconds += time.perf_counter() - self._since
-            self._since = None
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    l1_coeff = jnp.float32(cfg.l1_coeff)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=quiet,
+               dynamic_ncols=True, desc=cfg.run_name)
+    # Training time excludes the first step (compilation), evaluations and checkpoints.
+    clock = _Clock()
+    last_eval: dict = {}
+    for step in bar:
+        batch = sharding.shard_batch(sample_batch(corpus.train, cfg.batch_size, cfg.seq_len,
+                                                  cfg.seed, step, TRAIN_STREAM), mesh)
+        metrics = train_step(model, optimizer, batch, l1_coeff)
+        done = step + 1
+        if step == start:
+            jax.block_until_ready(metrics)
+            clock.start()
+        else:
+            clock.tokens += tokens_per_step
+        if done % cfg.log_every == 0 or done == end:
+            _log_metrics(metrics, done, clock, records, bar)
+        at_eval = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
+        at_ckpt = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
+        if at_eval or at_ckpt:
+            jax.block_until_ready(metrics)
+            clock.stop()
+        if at_eval:
+            last_eval = _evaluate_and_record(model, corpus, cfg, mesh, done, records, run_dir,
+                                             bar, quiet)
+        if at_ckpt:
+            save_checkpoint(manager, done, model, optimizer)
+        if at_eval or at_ckpt:
+            clock.start()
+    bar.close()
+    manager.close()
+    if primary:
+        write_plot(records.records, run_dir / "metrics.png", cfg.run_name)
+    return _summarize(cfg, end, records.records, last_eval, clock, run_dir, model.cfg.d_ff, log)
 
 
 def _fmt(values) -> str:
