@@ -570,7 +570,7 @@ def gate_preactivations(model: Transformer, tokens: jax.Array) -> list[jax.Array
     """Each layer's gate pre-activation ``x @ w_gate (+ b_gate)`` [B * T, F] float32 on its
     captured FFN input, computed as the layer does (compute dtype, float32 accumulation)."""
     _, captured = nnx.capture(model, FFNInput)(tokens)
-    inputs = [leaf for leaf in jax.tree.leaves(captured)]
+    inputs = jax.tree.leaves(captured)
     cfg = model.cfg
     if len(inputs) != cfg.n_layers:
         raise ValueError(f"captured {len(inputs)} FFN inputs for {cfg.n_layers} layers")
@@ -584,30 +584,31 @@ def gate_preactivations(model: Transformer, tokens: jax.Array) -> list[jax.Array
     return gates
 
 
-def unit_activity(model: Transformer, tokens: jax.Array) -> jax.Array:
-    """[n_layers, d_ff] bool: FFN unit j of layer l was active (gate > 0) for some token.
+def activity_and_token_nnz(model: Transformer, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(unit_activity [n_layers, d_ff] bool, token_nnz [n_layers, B * T] int32)`` from one
+    pass: which FFN units were active (gate > 0) for some token, and each token's active units.
 
     Runs the model once, capturing each block's FFN input (sown as ``FFNInput``), and recomputes
-    the dense gate ``relu(x @ w_gate)`` in the compute dtype with float32 accumulation, as the
-    layer does. A unit inactive over a window of tokens (OR this over batches) is *dead*:
-    ``1 - activity.mean(-1)`` is the dead fraction per layer. Costs one forward pass plus one
-    gate GEMM per layer; meant for evaluation, not every training step.
+    the dense gate in the compute dtype with float32 accumulation, as the layer does
+    (``gate_preactivations``). Costs one forward pass plus one gate GEMM per layer; meant for
+    evaluation, not every training step.
     """
-    return jnp.stack([jnp.any(g > 0, axis=0) for g in gate_preactivations(model, tokens)])
+    active = [g > 0 for g in gate_preactivations(model, tokens)]
+    return (jnp.stack([jnp.any(a, axis=0) for a in active]),
+            jnp.stack([jnp.sum(a, axis=1, dtype=jnp.int32) for a in active]))
+
+
+def unit_activity(model: Transformer, tokens: jax.Array) -> jax.Array:
+    """[n_layers, d_ff] bool: FFN unit j of layer l was active (gate > 0) for some token. A unit
+    inactive over a window of tokens (OR this over batches) is *dead*: ``1 -
+    activity.mean(-1)`` is the dead fraction per layer. As ``activity_and_token_nnz``."""
+    return activity_and_token_nnz(model, tokens)[0]
 
 
 def token_nnz(model: Transformer, tokens: jax.Array) -> jax.Array:
     """[n_layers, B * T] int32: active FFN units of each token in each layer (the per-token
-    distribution behind ``FFNStats``' mean / p99 / max). Same cost as ``unit_activity``."""
-    gates = gate_preactivations(model, tokens)
-    return jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in gates])
-
-
-def activity_and_token_nnz(model: Transformer, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(unit_activity, token_nnz)`` from one pass (one gate GEMM per layer)."""
-    gates = gate_preactivations(model, tokens)
-    return (jnp.stack([jnp.any(g > 0, axis=0) for g in gates]),
-            jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in gates]))
+    distribution behind ``FFNStats``' mean / p99 / max). As ``activity_and_token_nnz``."""
+    return activity_and_token_nnz(model, tokens)[1]
 
 
 # ------------------------------------------------------------------------------------------
