@@ -37,6 +37,7 @@ from common import flag, flag_parser  # noqa: E402  (the scripts' shared flags)
 
 import twell_jax  # noqa: E402
 from twell_jax import nn  # noqa: E402
+from twell_jax.inputs import gaussian_rows, with_threshold_row  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,30 +85,12 @@ def parse_args(argv: Sequence[str] | None) -> Defaults:
 # Data and layers.
 
 
-def make_inputs(key: jax.Array, tokens: int, d_model: int) -> jax.Array:
-    """[tokens, d_model] float32 Gaussian rows whose last feature is 1 (the threshold input)."""
-    x = jax.random.normal(key, (tokens, d_model), jnp.float32)
-    return x.at[:, -1].set(1.0)
-
-
-def set_gate_threshold(layer: nnx.Module, density: float) -> None:
-    """Makes ``relu(x @ w_gate)`` active for about ``density`` of units on ``make_inputs`` rows.
-
-    Unit j's pre-activation is ``sum_{i<D-1} x_i w_ij + w_{D-1,j}``, Gaussian with standard
-    deviation ``||w_{:D-1,j}||``; the last row is set to minus that times the (1 - density)
-    quantile of a standard normal.
-    """
-    w = layer.w_gate[...]
-    z = float(jax.scipy.special.ndtri(1.0 - density))
-    threshold = z * jnp.linalg.norm(w[:-1], axis=0)
-    layer.w_gate[...] = w.at[-1].set(-threshold.astype(w.dtype))
-
-
 def build_layer(cfg: Defaults, implementation: str, seed: int) -> nn.SparseGatedMLP:
     """The same parameters for a given seed, whatever the implementation."""
     layer = nn.SparseGatedMLP(cfg.d_model, cfg.d_ff, implementation=implementation,
                               rngs=nnx.Rngs(seed))
-    set_gate_threshold(layer, cfg.density)
+    # About cfg.density of the units active on gaussian_rows inputs (the bias trick).
+    layer.w_gate[...] = with_threshold_row(layer.w_gate[...], cfg.density)
     return layer
 
 
@@ -136,7 +119,7 @@ def _forward_fn(layer: nnx.Module):
 
 
 def check_and_time(cfg: Defaults, log) -> list[dict]:
-    x32 = make_inputs(jax.random.key(cfg.seed + 1), cfg.tokens, cfg.d_model)
+    x32 = gaussian_rows(jax.random.key(cfg.seed + 1), cfg.tokens, cfg.d_model)
     rows = []
     for dtype_name in cfg.dtypes:
         dtype = jnp.dtype(dtype_name)
@@ -201,7 +184,7 @@ def print_table(rows: list[dict], cfg: Defaults) -> None:
 
 def train(cfg: Defaults, log) -> list[dict]:
     dtype = jnp.dtype(cfg.train_dtype)
-    x = make_inputs(jax.random.key(cfg.seed + 2), cfg.tokens, cfg.d_model).astype(dtype)
+    x = gaussian_rows(jax.random.key(cfg.seed + 2), cfg.tokens, cfg.d_model).astype(dtype)
     teacher = build_layer(cfg, "xla", cfg.seed + 3)
     target = teacher(x.astype(jnp.float32))
     target_power = jnp.mean(target**2)

@@ -11,6 +11,7 @@ from flax import nnx
 
 import twell_jax
 from twell_jax import nn
+from twell_jax.inputs import with_threshold_row
 from tests.utils import TOLERANCES, assert_close
 
 
@@ -31,10 +32,7 @@ def make_layer(kind: str, d_model: int, d_ff: int, implementation: str, seed: in
                          **kwargs)
     if density is not None:
         gate = layer.w_gate if kind == "gated" else layer.w_up
-        w = gate[...]
-        z = float(jax.scipy.special.ndtri(1.0 - density))
-        threshold = z * jnp.linalg.norm(w[:-1].astype(jnp.float32), axis=0)
-        gate[...] = w.at[-1].set(-threshold.astype(w.dtype))
+        gate[...] = with_threshold_row(gate[...], density)
     return layer
 
 
