@@ -29,7 +29,6 @@ One JSON line per measurement goes to ``--out``; a table of xla / pallas ratios 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import dataclasses
 import json
@@ -88,13 +87,8 @@ def parse_shapes(text: str, what: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
-    parser = common.flag_parser(BenchConfig, __doc__.split("\n")[0])
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
-    args = parser.parse_args(argv)
-    worker = args.worker
-    del args.worker
-    cfg = BenchConfig(**vars(args))
+def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
+    cfg, worker, parser = common.parse_driver_args(BenchConfig, __doc__.split("\n")[0], argv)
     try:
         for name in filter(None, cfg.presets.split(",")):
             if name not in model_lib.CONFIGS:
@@ -390,11 +384,13 @@ def breakdown(model, tokens, cfg: BenchConfig, emit: Callable, base: dict) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cfg, worker = parse_args(argv)
-    if worker is not None:
-        common.run_task(worker, cfg, {"calibrate": worker_calibrate, "measure": worker_measure})
-        return []
+    """Runs the benchmark (or, with ``--worker``, one of its subprocesses); returns the rows."""
+    return common.main_or_worker(argv, parse_args, {"calibrate": worker_calibrate,
+                                                    "measure": worker_measure}, drive)
+
+
+def drive(cfg: BenchConfig, argv: list[str]) -> list[dict]:
+    """The driver: one worker subprocess per calibration and measurement."""
     start = time.perf_counter()
     header = common.header(" ".join(["bench_model.py", *argv]), config=dataclasses.asdict(cfg))
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,6 @@ printed last.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -68,12 +67,7 @@ class MultiConfig:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[MultiConfig, str | None]:
-    parser = common.flag_parser(MultiConfig, __doc__.split("\n")[0])
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
-    args = parser.parse_args(argv)
-    worker = args.worker
-    del args.worker
-    cfg = MultiConfig(**vars(args))
+    cfg, worker, parser = common.parse_driver_args(MultiConfig, __doc__.split("\n")[0], argv)
     try:
         for name in _split(cfg.presets):
             if name not in model_lib.CONFIGS:
@@ -170,11 +164,13 @@ def worker_calibrate(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cfg, worker = parse_args(argv)
-    if worker is not None:
-        common.run_task(worker, cfg, {"calibrate": worker_calibrate, "measure": worker_measure})
-        return []
+    """Runs the benchmark (or, with ``--worker``, one of its subprocesses); returns the rows."""
+    return common.main_or_worker(argv, parse_args, {"calibrate": worker_calibrate,
+                                                    "measure": worker_measure}, drive)
+
+
+def drive(cfg: MultiConfig, argv: list[str]) -> list[dict]:
+    """The driver: one worker subprocess per calibration and measurement."""
     n = jax.device_count()
     header = common.header(" ".join(["bench_multi_gpu.py", *argv]), devices=n,
                            config=dataclasses.asdict(cfg))

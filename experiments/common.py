@@ -79,6 +79,28 @@ def summarize_ms(samples: Sequence[float]) -> dict:
 # lines it prints as ``RESULT {json}``.
 
 
+def parse_driver_args(config_cls, description: str, argv: Sequence[str] | None):
+    """``flag_parser``'s flags plus the internal ``--worker SPEC``: returns ``(config, worker
+    spec or None, parser)`` (the parser for the script's own checks and errors)."""
+    parser = flag_parser(config_cls, description)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
+    args = vars(parser.parse_args(argv))
+    worker = args.pop("worker")
+    return config_cls(**args), worker, parser
+
+
+def main_or_worker(argv: Sequence[str] | None, parse_args: Callable,
+                   tasks: dict[str, Callable], drive: Callable) -> list[dict]:
+    """A driver script's main: with ``--worker SPEC`` runs that task (``run_task``) and returns
+    []; else ``drive(cfg, argv)``. ``parse_args(argv)`` -> ``(cfg, worker spec or None)``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg, worker = parse_args(argv)
+    if worker is not None:
+        run_task(worker, cfg, tasks)
+        return []
+    return drive(cfg, argv)
+
+
 def run_task(worker: str, cfg, tasks: dict[str, Callable]) -> None:
     """Inside a worker: runs ``tasks[spec["task"]](spec, cfg, emit)`` for the JSON ``worker``
     spec, ``emit`` printing each result row for the driver."""
