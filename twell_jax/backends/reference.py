@@ -93,10 +93,5 @@ def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
     return dx, du, dg
 
 
-BACKEND = Backend(
-    sparse=True,
-    pack=_pack,
-    up_down=_up_down,
-    row_backward=_row_backward,
-    sparse_outer=sparse_outer,
-)
+BACKEND = Backend(sparse=True, pack=_pack, up_down=_up_down, row_backward=_row_backward,
+                  sparse_outer=sparse_outer)
