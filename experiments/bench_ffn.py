@@ -25,14 +25,11 @@ pairs over S, heavy rows. One JSON line per measurement goes to ``--out``; a tab
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from typing import Callable
@@ -41,30 +38,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import twell_jax as tj
-from pallas_kernels.row_pack import row_pack
-from pallas_kernels.row_up_down import row_up_down
-from twell_jax.format import heavy_rows
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (flags, header, timer summary)
+from common import flag  # noqa: E402
+
+import twell_jax as tj  # noqa: E402
+from pallas_kernels.row_pack import row_pack  # noqa: E402
+from pallas_kernels.row_up_down import row_up_down  # noqa: E402
+from twell_jax.format import heavy_rows, mask_lists  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchArgs:
-    suite: str = "smoke"  # which cases: smoke (CPU, tiny), paper (H100), or a comma list of names
-    runs: int = 50  # timed batches per measurement (median reported)
-    min_batch_ms: float = 2.0  # calls per batch chosen so one batch lasts at least this long
-    check_rows: int = 512  # rows checked against float64
-    backward: bool = False  # time forward + backward (training) instead of the forward
-    out: str = "runs/bench_ffn.jsonl"  # JSON lines, appended
-
-
-HELP = {
-    "suite": "smoke (CPU, tiny), paper (H100: every DESIGN.md case) or a comma list of case names",
-    "runs": "timed batches per measurement; the median is reported",
-    "min_batch_ms": "each timed batch repeats the call until it lasts at least this long",
-    "check_rows": "rows compared against the float64 reference before timing",
-    "backward": "time forward + backward (all four gradients) instead of the forward alone",
-    "out": "JSON-lines file the measurements are appended to",
-}
+    suite: str = flag("smoke", "smoke (CPU, tiny), paper (H100: every DESIGN.md case) or a "
+                      "comma list of case names")
+    runs: int = flag(50, "timed batches per measurement; the median is reported")
+    min_batch_ms: float = flag(2.0, "each timed batch repeats the call until it lasts at least "
+                               "this long")
+    check_rows: int = flag(512, "rows compared against the float64 reference before timing")
+    backward: bool = flag(False, "time forward + backward (all four gradients) instead of the "
+                          "forward alone")
+    out: str = flag("runs/bench_ffn.jsonl", "JSON-lines file the measurements are appended to")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +204,7 @@ def time_ms(fn: Callable, *args, runs: int, min_batch_ms: float) -> dict:
             out = fn(*args)
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) * 1e3 / calls)
-    samples = np.asarray(samples)
-    return {"median_ms": float(np.median(samples)), "p10_ms": float(np.percentile(samples, 10)),
-            "p90_ms": float(np.percentile(samples, 90)), "calls_per_batch": calls}
+    return {**common.summarize_ms(samples), "calls_per_batch": calls}
 
 
 def _check_rows(m: int, heavy_mask: np.ndarray, n: int, rng) -> np.ndarray:
@@ -272,8 +264,7 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
             bytes=pre.size * pre.dtype.itemsize)
     values, columns, counts, total = pack(pre)
     row_nnz = jnp.where(heavy_rows(counts, config, case.f), 0, total)
-    valid = jnp.arange(slots)[None, :] < row_nnz[:, None]
-    values, columns = jnp.where(valid, values, 0), jnp.where(valid, columns, 0)
+    values, columns = mask_lists(values, columns, row_nnz)
     up_down = jax.jit(lambda *a: row_up_down(*a)[0])
     measure("stage: row_up_down (light rows)", up_down, x, jnp.asarray(w_up.T), w_down, values,
             columns, row_nnz, check=False,
@@ -378,38 +369,17 @@ def flax_dense_mlp(x, w_gate, w_up, w_down):
     return down(jax.nn.relu(gate(x)) * up(x))
 
 
-def _commit() -> str:
-    """TWELL_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git),
-    else git's HEAD."""
-    if os.environ.get("TWELL_COMMIT"):
-        return os.environ["TWELL_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("TWELL_COMMIT", "unknown")
-
-
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for field in dataclasses.fields(BenchArgs):
-        kind = field.type if field.type in ("int", "float", "str") else "str"
-        if field.type == "bool":
-            parser.add_argument(f"--{field.name}", default=field.default,
-                                action=argparse.BooleanOptionalAction, help=HELP[field.name])
-        else:
-            parser.add_argument(f"--{field.name}", type={"int": int, "float": float}.get(kind, str),
-                                default=field.default, help=HELP[field.name])
+    # The flags were spelled --min_batch_ms once: both spellings stay accepted.
+    parser = common.flag_parser(BenchArgs, __doc__.split("\n")[0], underscore_aliases=True)
     args = BenchArgs(**vars(parser.parse_args(argv)))
     names = SUITES.get(args.suite, args.suite.split(","))
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; have {sorted(CASES)} and suites {sorted(SUITES)}")
     config = tj.TwELLConfig()
-    header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-              "jax": jax.__version__, "commit": _commit(), "command": " ".join(sys.argv),
-              "config": dataclasses.asdict(config), "args": dataclasses.asdict(args)}
+    header = common.header(" ".join(sys.argv), backend=jax.default_backend(),
+                           config=dataclasses.asdict(config), args=dataclasses.asdict(args))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
     with open(args.out, "a") as log:

@@ -29,14 +29,11 @@ One JSON line per measurement goes to ``--out``; a table of xla / pallas ratios 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import dataclasses
-import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,30 +47,31 @@ import numpy as np
 import optax
 from flax import nnx
 
-from twell_jax import model as model_lib
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (flags, header, timer summary, worker dispatch)
+from common import flag  # noqa: E402
 
-IMPLEMENTATIONS = ("xla", "pallas")
+from twell_jax import model as model_lib  # noqa: E402
+from twell_jax.backends import Implementation  # noqa: E402
 
-
-def _flag(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
+MEASURED: tuple[Implementation, ...] = ("xla", "pallas")  # the dense baseline and the kernels
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-    presets: str = _flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
-    target_nnz: float = _flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
-    pattern: str = _flag("uniform", "per-unit firing rates: uniform or heavy (Zipf-like)")
-    prefill: str = _flag("8x2048,64x2048", "prefill shapes BxT, comma separated")
-    train_batch: str = _flag("8x2048", "training micro-batch BxT ('' to skip training)")
-    decode: str = _flag("1,8,64", "decode-sized forwards: sequences of one token")
-    runs: int = _flag(10, "timed repetitions per measurement (median reported)")
-    remat: bool = _flag(True, "recompute blocks in the backward (ModelConfig.remat)")
-    l1_coeff: float = _flag(1e-4, "L1 coefficient in the training loss")
-    seed: int = _flag(0, "seed of the weights and the token batches")
-    time_budget: float = _flag(0.0, "seconds; later presets are skipped and reported (0: none)")
-    out: str = _flag("runs/bench_model.jsonl", "JSON-lines file the measurements are appended to")
-    plot: str = _flag("", "PNG of the pallas / xla ratios ('' for none)")
+    presets: str = flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
+    target_nnz: float = flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
+    pattern: str = flag("uniform", "per-unit firing rates: uniform or heavy (Zipf-like)")
+    prefill: str = flag("8x2048,64x2048", "prefill shapes BxT, comma separated")
+    train_batch: str = flag("8x2048", "training micro-batch BxT ('' to skip training)")
+    decode: str = flag("1,8,64", "decode-sized forwards: sequences of one token")
+    runs: int = flag(10, "timed repetitions per measurement (median reported)")
+    remat: bool = flag(True, "recompute blocks in the backward (ModelConfig.remat)")
+    l1_coeff: float = flag(1e-4, "L1 coefficient in the training loss")
+    seed: int = flag(0, "seed of the weights and the token batches")
+    time_budget: float = flag(0.0, "seconds; later presets are skipped and reported (0: none)")
+    out: str = flag("runs/bench_model.jsonl", "JSON-lines file the measurements are appended to")
+    plot: str = flag("", "PNG of the pallas / xla ratios ('' for none)")
 
 
 def parse_shapes(text: str, what: str) -> list[tuple[int, int]]:
@@ -89,22 +87,8 @@ def parse_shapes(text: str, what: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for field in dataclasses.fields(BenchConfig):
-        if field.type == "bool":
-            parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name,
-                                default=field.default, action=argparse.BooleanOptionalAction,
-                                help=field.metadata["help"])
-        else:
-            kind = {"int": int, "float": float}.get(field.type, str)
-            parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=kind,
-                                default=field.default, help=field.metadata["help"])
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
-    args = parser.parse_args(argv)
-    worker = args.worker
-    del args.worker
-    cfg = BenchConfig(**vars(args))
+def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
+    cfg, worker, parser = common.parse_driver_args(BenchConfig, __doc__.split("\n")[0], argv)
     try:
         for name in filter(None, cfg.presets.split(",")):
             if name not in model_lib.CONFIGS:
@@ -243,9 +227,7 @@ def time_call(fn: Callable, runs: int, sampler: PowerSampler | None = None) -> d
         energy = {}
     else:
         energy = sampler.measure(loop)
-    samples = np.asarray(samples)
-    return {"median_ms": float(np.median(samples)), "p10_ms": float(np.percentile(samples, 10)),
-            "p90_ms": float(np.percentile(samples, 90)), "runs": runs, **energy}
+    return {**common.summarize_ms(samples), "runs": runs, **energy}
 
 
 def peak_bytes() -> int | None:
@@ -401,54 +383,16 @@ def breakdown(model, tokens, cfg: BenchConfig, emit: Callable, base: dict) -> No
 # The driver.
 
 
-def _commit() -> str:
-    """TWELL_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git),
-    else git's HEAD."""
-    if os.environ.get("TWELL_COMMIT"):
-        return os.environ["TWELL_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("TWELL_COMMIT", "unknown")
-
-
-def run_worker(spec: dict, argv: Sequence[str], log) -> list[dict]:
-    """Runs one worker subprocess; returns its result rows (an error row if it failed)."""
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", json.dumps(spec)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    rows, tail = [], []
-    for line in proc.stdout:
-        if line.startswith("RESULT "):
-            rows.append(json.loads(line[len("RESULT "):]))
-            log(json.dumps(rows[-1]))
-        else:
-            tail = (tail + [line.rstrip()])[-20:]
-            if line.startswith("  calibrated"):
-                log(line.rstrip())
-    if proc.wait() != 0:
-        rows.append({"kind": "error", **spec, "returncode": proc.returncode,
-                     "output_tail": "\n".join(tail)})
-        log(f"worker failed ({proc.returncode}):\n" + "\n".join(tail))
-    log(f"[{time.perf_counter() - t0:.0f} s] {spec['task']} {spec['preset']} "
-        f"{spec.get('implementation', '')}")
-    return rows
-
-
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cfg, worker = parse_args(argv)
-    if worker is not None:
-        spec = json.loads(worker)
-        emit = lambda row: print("RESULT " + json.dumps(row), flush=True)
-        {"calibrate": worker_calibrate, "measure": worker_measure}[spec["task"]](spec, cfg, emit)
-        return []
+    """Runs the benchmark (or, with ``--worker``, one of its subprocesses); returns the rows."""
+    return common.main_or_worker(argv, parse_args, {"calibrate": worker_calibrate,
+                                                    "measure": worker_measure}, drive)
+
+
+def drive(cfg: BenchConfig, argv: list[str]) -> list[dict]:
+    """The driver: one worker subprocess per calibration and measurement."""
     start = time.perf_counter()
-    header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-              "commit": _commit(), "command": " ".join(["bench_model.py", *argv]),
-              "config": dataclasses.asdict(cfg)}
+    header = common.header(" ".join(["bench_model.py", *argv]), config=dataclasses.asdict(cfg))
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     rows = [header]
     with open(cfg.out, "a") as out, tempfile.TemporaryDirectory() as tmp:
@@ -468,15 +412,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             bias_file = os.path.join(tmp, f"{preset}_bias.npy")
             specs = [{"task": "calibrate", "preset": preset, "bias_file": bias_file}]
             specs += [{"task": "measure", "preset": preset, "implementation": impl,
-                       "bias_file": bias_file} for impl in IMPLEMENTATIONS]
-            for spec in specs:
-                new = run_worker(spec, argv, log)
-                for row in new:
-                    out.write(json.dumps({**row, "commit": header["commit"]}) + "\n")
-                out.flush()
-                rows += new
-                if spec["task"] == "calibrate" and any(r["kind"] == "error" for r in new):
-                    break
+                       "bias_file": bias_file} for impl in MEASURED]
+            rows += common.run_specs(__file__, specs, argv, out, header["commit"], log)
     table = ratio_table(rows)
     print_table(table)
     if cfg.plot:

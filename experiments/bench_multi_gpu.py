@@ -28,15 +28,11 @@ printed last.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -48,53 +44,36 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model  # noqa: E402  (calibration, timing and memory helpers shared with it)
+import common  # noqa: E402  (flags, header, worker dispatch)
+from common import flag  # noqa: E402
 
 from twell_jax import model as model_lib  # noqa: E402
-from twell_jax import sharding  # noqa: E402
-
-
-def _flag(default, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
+from twell_jax import backends, sharding  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
 class MultiConfig:
-    presets: str = _flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
-    implementations: str = _flag("xla,pallas", "comma list of FFN implementations")
-    batch: str = _flag("8x2048", "per-device training batch BxT")
-    fsdp: str = _flag("2", "comma list of fsdp sizes to measure besides data parallel")
-    target_nnz: float = _flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
-    pattern: str = _flag("uniform", "per-unit firing rates: uniform or heavy (Zipf-like)")
-    runs: int = _flag(10, "timed repetitions per measurement (median reported)")
-    remat: bool = _flag(True, "recompute blocks in the backward (ModelConfig.remat)")
-    l1_coeff: float = _flag(1e-4, "L1 coefficient in the training loss")
-    seed: int = _flag(0, "seed of the weights and the token batches")
-    out: str = _flag("runs/bench_multi_gpu.jsonl", "JSON-lines file the rows are appended to")
+    presets: str = flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
+    implementations: str = flag("xla,pallas", "comma list of FFN implementations")
+    batch: str = flag("8x2048", "per-device training batch BxT")
+    fsdp: str = flag("2", "comma list of fsdp sizes to measure besides data parallel")
+    target_nnz: float = flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
+    pattern: str = flag("uniform", "per-unit firing rates: uniform or heavy (Zipf-like)")
+    runs: int = flag(10, "timed repetitions per measurement (median reported)")
+    remat: bool = flag(True, "recompute blocks in the backward (ModelConfig.remat)")
+    l1_coeff: float = flag(1e-4, "L1 coefficient in the training loss")
+    seed: int = flag(0, "seed of the weights and the token batches")
+    out: str = flag("runs/bench_multi_gpu.jsonl", "JSON-lines file the rows are appended to")
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[MultiConfig, str | None]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for field in dataclasses.fields(MultiConfig):
-        flag = f"--{field.name.replace('_', '-')}"
-        if field.type == "bool":
-            parser.add_argument(flag, dest=field.name, default=field.default,
-                                action=argparse.BooleanOptionalAction, help=field.metadata["help"])
-        else:
-            kind = {"int": int, "float": float}.get(field.type, str)
-            parser.add_argument(flag, dest=field.name, type=kind, default=field.default,
-                                help=field.metadata["help"])
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
-    args = parser.parse_args(argv)
-    worker = args.worker
-    del args.worker
-    cfg = MultiConfig(**vars(args))
+    cfg, worker, parser = common.parse_driver_args(MultiConfig, __doc__.split("\n")[0], argv)
     try:
         for name in _split(cfg.presets):
             if name not in model_lib.CONFIGS:
                 raise ValueError(f"unknown preset {name!r}; have {sorted(model_lib.CONFIGS)}")
         for impl in _split(cfg.implementations):
-            if impl not in model_lib.IMPLEMENTATIONS:
-                raise ValueError(f"unknown implementation {impl!r}")
+            backends.check(impl)
         if len(bench_model.parse_shapes(cfg.batch, "--batch")) != 1:
             raise ValueError(f"--batch: expected one BxT, got {cfg.batch!r}")
         if any(int(k) < 1 for k in _split(cfg.fsdp)):
@@ -184,38 +163,17 @@ def worker_calibrate(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
 # The driver.
 
 
-def run_worker(spec: dict, argv: Sequence[str], log) -> list[dict]:
-    """Runs one worker subprocess; returns its result rows (an error row if it failed)."""
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", json.dumps(spec)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
-            if line.startswith("RESULT ")]
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-20:])
-        rows.append({"kind": "error", **spec, "returncode": proc.returncode, "output_tail": tail})
-        log(f"worker failed ({proc.returncode}):\n{tail}")
-    for row in rows:
-        log(json.dumps(row))
-    log(f"[{time.perf_counter() - t0:.0f} s] {spec['task']} {spec['preset']} "
-        f"{spec.get('implementation', '')} {spec.get('label', '')}")
-    return rows
-
-
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cfg, worker = parse_args(argv)
-    if worker is not None:
-        spec = json.loads(worker)
-        emit = lambda row: print("RESULT " + json.dumps(row), flush=True)
-        {"calibrate": worker_calibrate, "measure": worker_measure}[spec["task"]](spec, cfg, emit)
-        return []
+    """Runs the benchmark (or, with ``--worker``, one of its subprocesses); returns the rows."""
+    return common.main_or_worker(argv, parse_args, {"calibrate": worker_calibrate,
+                                                    "measure": worker_measure}, drive)
+
+
+def drive(cfg: MultiConfig, argv: list[str]) -> list[dict]:
+    """The driver: one worker subprocess per calibration and measurement."""
     n = jax.device_count()
-    header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": str(jax.devices()[0].device_kind), "devices": n, "jax": jax.__version__,
-              "commit": bench_model._commit(),
-              "command": " ".join(["bench_multi_gpu.py", *argv]),
-              "config": dataclasses.asdict(cfg)}
+    header = common.header(" ".join(["bench_multi_gpu.py", *argv]), devices=n,
+                           config=dataclasses.asdict(cfg))
     runs = meshes(cfg, n)
     skipped = [k for k in (int(v) for v in _split(cfg.fsdp)) if k > 1 and n % k]
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
@@ -231,14 +189,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             specs = [{"task": "calibrate", **base}]
             specs += [{"task": "measure", "implementation": impl, **base, **run}
                       for impl in _split(cfg.implementations) for run in runs]
-            for spec in specs:
-                new = run_worker(spec, argv, log)
-                for row in new:
-                    out.write(json.dumps({**row, "commit": header["commit"]}) + "\n")
-                out.flush()
-                rows += new
-                if spec["task"] == "calibrate" and any(r["kind"] == "error" for r in new):
-                    break
+            rows += common.run_specs(__file__, specs, argv, out, header["commit"], log)
     print_table(scaling_table(rows))
     return rows
 

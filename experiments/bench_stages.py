@@ -77,9 +77,7 @@ def run(case_name: str, runs: int, emit) -> None:
     heavy = tj.format.heavy_rows(counts, cfg, f)
     values, columns, _, _ = row_pack(pre, tile_width=cfg.tile_width, num_slots=slots)
     row_nnz = jnp.where(heavy, 0, total)
-    valid = jnp.arange(slots)[None, :] < row_nnz[:, None]
-    values = jnp.where(valid, values, 0)
-    columns = jnp.where(valid, columns, 0)
+    values, columns = tj.format.mask_lists(values, columns, row_nnz)
     w_up_t = wu.T
     y_ref, up_ref = jax.jit(row_up_down_reference)(x, w_up_t, wd, values, columns, row_nnz)
     gathered = float(jnp.sum(row_nnz)) * 2 * d * 2

@@ -30,39 +30,39 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train.py beside this file
 import train  # noqa: E402
-from train import _flag  # noqa: E402
+from common import flag, flag_parser  # noqa: E402
 
 from twell_jax import model as model_lib  # noqa: E402
-from twell_jax.ffn import IMPLEMENTATIONS  # noqa: E402
+from twell_jax.backends import IMPLEMENTATIONS  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerateConfig:
     """Every knob of a sampling run; each field is a command-line flag (``--max-new-tokens`` ...)."""
 
-    prompt: str = _flag("def ", "the text to continue")
-    max_new_tokens: int = _flag(128, "tokens to generate (fewer if the stop token comes)")
-    model: str = _flag("", "model preset with random weights (default tiny); with --checkpoint "
+    prompt: str = flag("def ", "the text to continue")
+    max_new_tokens: int = flag(128, "tokens to generate (fewer if the stop token comes)")
+    model: str = flag("", "model preset with random weights (default tiny); with --checkpoint "
                            "it must match the run's", choices=("",) + tuple(model_lib.CONFIGS))
-    checkpoint: str = _flag("", "a train.py run folder (runs/<name>): its config.json and "
+    checkpoint: str = flag("", "a train.py run folder (runs/<name>): its config.json and "
                                 "newest checkpoint under ckpt/")
-    hf: str = _flag("", "a Hugging Face Llama folder: config.json, *.safetensors and (unless "
+    hf: str = flag("", "a Hugging Face Llama folder: config.json, *.safetensors and (unless "
                         "--tokenizer) tokenizer.json")
-    implementation: str = _flag("", "FFN implementation; default the run's, else xla",
+    implementation: str = flag("", "FFN implementation; default the run's, else xla",
                                 choices=("",) + IMPLEMENTATIONS)
-    temperature: float = _flag(0.0, "0: greedy; else sample from softmax(logits / T)")
-    top_k: int = _flag(0, "sample among the k most likely tokens (0: all)")
-    top_p: float = _flag(1.0, "nucleus sampling: the most likely tokens up to mass p (1: all)")
-    seed: int = _flag(0, "PRNG seed of the sampling (and of a preset's random weights)")
-    tokenizer: str = _flag("", "'bytes' or a tokenizer.json; default the run's, the --hf "
+    temperature: float = flag(0.0, "0: greedy; else sample from softmax(logits / T)")
+    top_k: int = flag(0, "sample among the k most likely tokens (0: all)")
+    top_p: float = flag(1.0, "nucleus sampling: the most likely tokens up to mass p (1: all)")
+    seed: int = flag(0, "PRNG seed of the sampling (and of a preset's random weights)")
+    tokenizer: str = flag("", "'bytes' or a tokenizer.json; default the run's, the --hf "
                                "folder's tokenizer.json, else bytes")
-    chunk: int = _flag(16, "decode steps per jitted call (each chunk is printed as it comes)")
-    stop: bool = _flag(True, "stop at the end-of-text token (the --hf config's eos_token_id, "
+    chunk: int = flag(16, "decode steps per jitted call (each chunk is printed as it comes)")
+    stop: bool = flag(True, "stop at the end-of-text token (the --hf config's eos_token_id, "
                              "else the tokenizer's separator)")
 
 
 def parse_args(argv: Sequence[str] | None) -> GenerateConfig:
-    parser = train.flag_parser(GenerateConfig, __doc__.split("\n")[0])
+    parser = flag_parser(GenerateConfig, __doc__.split("\n")[0])
     cfg = GenerateConfig(**vars(parser.parse_args(argv)))
     if cfg.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")

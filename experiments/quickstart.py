@@ -17,9 +17,9 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,50 +32,42 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-import twell_jax
-from twell_jax import nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import flag, flag_parser  # noqa: E402  (the scripts' shared flags)
 
-
-def _flag(default, help: str, **kwargs):
-    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+import twell_jax  # noqa: E402
+from twell_jax import nn  # noqa: E402
+from twell_jax.inputs import gaussian_rows, with_threshold_row  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Defaults:
     """Every knob of the quickstart; each field is a command-line flag (``--d-model`` ...)."""
 
-    d_model: int = _flag(256, "D, the model width")
-    d_ff: int = _flag(1024, "F, the FFN width")
-    tokens: int = _flag(512, "M, tokens per batch")
-    density: float = _flag(0.02, "target fraction of active gate units per token")
-    implementations: tuple[str, ...] = _flag(
+    d_model: int = flag(256, "D, the model width")
+    d_ff: int = flag(1024, "F, the FFN width")
+    tokens: int = flag(512, "M, tokens per batch")
+    density: float = flag(0.02, "target fraction of active gate units per token")
+    implementations: tuple[str, ...] = flag(
         ("xla", "reference", "pallas"), "implementations to check and time",
         choices=twell_jax.IMPLEMENTATIONS)
-    dtypes: tuple[str, ...] = _flag(("bfloat16", "float32"), "compute dtypes to check and time",
+    dtypes: tuple[str, ...] = flag(("bfloat16", "float32"), "compute dtypes to check and time",
                                     choices=("bfloat16", "float32"))
-    timing_runs: int = _flag(5, "timed calls per implementation (median reported), after warm-up")
-    train_steps: int = _flag(20, "adamw steps of the toy training run (0 skips it)")
-    train_implementation: str = _flag("reference", "implementation used for training",
+    timing_runs: int = flag(5, "timed calls per implementation (median reported), after warm-up")
+    train_steps: int = flag(20, "adamw steps of the toy training run (0 skips it)")
+    train_implementation: str = flag("reference", "implementation used for training",
                                       choices=twell_jax.IMPLEMENTATIONS)
-    train_dtype: str = _flag("bfloat16", "compute dtype of the training run",
+    train_dtype: str = flag("bfloat16", "compute dtype of the training run",
                              choices=("bfloat16", "float32"))
-    learning_rate: float = _flag(3e-3, "adamw learning rate")
-    l1_coeff: float = _flag(1e-3, "coefficient of the L1 penalty coeff * stats.l1")
-    log_every: int = _flag(5, "print a training line every this many steps")
-    seed: int = _flag(0, "random seed (parameters and data)")
-    jsonl: str = _flag("", "if set, append one JSON object per table row and train log line here")
+    learning_rate: float = flag(3e-3, "adamw learning rate")
+    l1_coeff: float = flag(1e-3, "coefficient of the L1 penalty coeff * stats.l1")
+    log_every: int = flag(5, "print a training line every this many steps")
+    seed: int = flag(0, "random seed (parameters and data)")
+    jsonl: str = flag("", "if set, append one JSON object per table row and train log line here")
 
 
 def parse_args(argv: Sequence[str] | None) -> Defaults:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for field in dataclasses.fields(Defaults):
-        meta = dict(field.metadata)
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(field.default, tuple):
-            parser.add_argument(flag, nargs="+", default=list(field.default), **meta)
-        else:
-            parser.add_argument(flag, type=type(field.default), default=field.default, **meta)
+    parser = flag_parser(Defaults, __doc__.split("\n")[0])
     args = vars(parser.parse_args(argv))
     cfg = Defaults(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
     for name in ("d_model", "d_ff", "tokens", "timing_runs", "log_every"):
@@ -93,30 +85,12 @@ def parse_args(argv: Sequence[str] | None) -> Defaults:
 # Data and layers.
 
 
-def make_inputs(key: jax.Array, tokens: int, d_model: int) -> jax.Array:
-    """[tokens, d_model] float32 Gaussian rows whose last feature is 1 (the threshold input)."""
-    x = jax.random.normal(key, (tokens, d_model), jnp.float32)
-    return x.at[:, -1].set(1.0)
-
-
-def set_gate_threshold(layer: nnx.Module, density: float) -> None:
-    """Makes ``relu(x @ w_gate)`` active for about ``density`` of units on ``make_inputs`` rows.
-
-    Unit j's pre-activation is ``sum_{i<D-1} x_i w_ij + w_{D-1,j}``, Gaussian with standard
-    deviation ``||w_{:D-1,j}||``; the last row is set to minus that times the (1 - density)
-    quantile of a standard normal.
-    """
-    w = layer.w_gate[...]
-    z = float(jax.scipy.special.ndtri(1.0 - density))
-    threshold = z * jnp.linalg.norm(w[:-1], axis=0)
-    layer.w_gate[...] = w.at[-1].set(-threshold.astype(w.dtype))
-
-
 def build_layer(cfg: Defaults, implementation: str, seed: int) -> nn.SparseGatedMLP:
     """The same parameters for a given seed, whatever the implementation."""
     layer = nn.SparseGatedMLP(cfg.d_model, cfg.d_ff, implementation=implementation,
                               rngs=nnx.Rngs(seed))
-    set_gate_threshold(layer, cfg.density)
+    # About cfg.density of the units active on gaussian_rows inputs (the bias trick).
+    layer.w_gate[...] = with_threshold_row(layer.w_gate[...], cfg.density)
     return layer
 
 
@@ -145,7 +119,7 @@ def _forward_fn(layer: nnx.Module):
 
 
 def check_and_time(cfg: Defaults, log) -> list[dict]:
-    x32 = make_inputs(jax.random.key(cfg.seed + 1), cfg.tokens, cfg.d_model)
+    x32 = gaussian_rows(jax.random.key(cfg.seed + 1), cfg.tokens, cfg.d_model)
     rows = []
     for dtype_name in cfg.dtypes:
         dtype = jnp.dtype(dtype_name)
@@ -210,7 +184,7 @@ def print_table(rows: list[dict], cfg: Defaults) -> None:
 
 def train(cfg: Defaults, log) -> list[dict]:
     dtype = jnp.dtype(cfg.train_dtype)
-    x = make_inputs(jax.random.key(cfg.seed + 2), cfg.tokens, cfg.d_model).astype(dtype)
+    x = gaussian_rows(jax.random.key(cfg.seed + 2), cfg.tokens, cfg.d_model).astype(dtype)
     teacher = build_layer(cfg, "xla", cfg.seed + 3)
     target = teacher(x.astype(jnp.float32))
     target_power = jnp.mean(target**2)

@@ -28,7 +28,6 @@ multi-host run (one process per host, see README.md).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hashlib
@@ -49,51 +48,50 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from twell_jax import model as model_lib
-from twell_jax import sharding
-from twell_jax.ffn import IMPLEMENTATIONS
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import flag, flag_parser  # noqa: E402  (the scripts' shared flags)
 
-
-def _flag(default, help: str, **kwargs):
-    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+from twell_jax import model as model_lib  # noqa: E402
+from twell_jax import sharding  # noqa: E402
+from twell_jax.backends import IMPLEMENTATIONS  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Every knob of a training run; each field is a command-line flag (``--l1-coeff`` ...)."""
 
-    name: str = _flag("", "run name; default <model>-<implementation>-l1_<l1_coeff>")
-    model: str = _flag("tiny", "model preset (twell_jax.model.CONFIGS)",
+    name: str = flag("", "run name; default <model>-<implementation>-l1_<l1_coeff>")
+    model: str = flag("tiny", "model preset (twell_jax.model.CONFIGS)",
                        choices=tuple(model_lib.CONFIGS))
     # "reference" exercises the TwELL algorithm (pack, sparse up/down, backup, sparse backward)
     # and was not slower than dense on the tiny preset (2-core CPU, 16 x 128 tokens, 200 steps
     # at L1 0.05: reference 43k tokens/s, xla 35k). "pallas" runs its kernels in interpret
     # mode without a GPU: correct but far slower.
-    implementation: str = _flag("reference", "FFN implementation", choices=IMPLEMENTATIONS)
-    remat: bool = _flag(False, "recompute each block in the backward pass (keeps FFN outputs)")
-    l1_coeff: float = _flag(0.01, "coefficient of the L1 penalty on the FFN hidden activations")
-    steps: int = _flag(1000, "optimizer steps")
-    batch_size: int = _flag(32, "sequences per batch")
-    seq_len: int = _flag(128, "tokens per sequence (at most the preset's max_seq_len)")
-    lr: float = _flag(3e-3, "peak learning rate")
-    warmup: int = _flag(50, "linear warm-up steps, then cosine decay to lr / 10")
-    weight_decay: float = _flag(0.1, "AdamW weight decay (matrices only, not norm scales)")
-    grad_clip: float = _flag(1.0, "clip gradients to this global norm")
-    eval_every: int = _flag(250, "evaluate held-out loss every this many steps (0: at the end)")
-    eval_batches: int = _flag(4, "held-out batches per evaluation (the same ones each time)")
-    ckpt_every: int = _flag(250, "save a checkpoint every this many steps (0: only at the end)")
-    log_every: int = _flag(10, "write a metrics.jsonl line every this many steps")
-    out_dir: str = _flag("", "output folder; default runs/<name>")
-    seed: int = _flag(0, "seed of the parameters and of the batch sampler")
-    data: str = _flag("", "a folder of text files, or a .npy / .bin (uint16) token file; "
+    implementation: str = flag("reference", "FFN implementation", choices=IMPLEMENTATIONS)
+    remat: bool = flag(False, "recompute each block in the backward pass (keeps FFN outputs)")
+    l1_coeff: float = flag(0.01, "coefficient of the L1 penalty on the FFN hidden activations")
+    steps: int = flag(1000, "optimizer steps")
+    batch_size: int = flag(32, "sequences per batch")
+    seq_len: int = flag(128, "tokens per sequence (at most the preset's max_seq_len)")
+    lr: float = flag(3e-3, "peak learning rate")
+    warmup: int = flag(50, "linear warm-up steps, then cosine decay to lr / 10")
+    weight_decay: float = flag(0.1, "AdamW weight decay (matrices only, not norm scales)")
+    grad_clip: float = flag(1.0, "clip gradients to this global norm")
+    eval_every: int = flag(250, "evaluate held-out loss every this many steps (0: at the end)")
+    eval_batches: int = flag(4, "held-out batches per evaluation (the same ones each time)")
+    ckpt_every: int = flag(250, "save a checkpoint every this many steps (0: only at the end)")
+    log_every: int = flag(10, "write a metrics.jsonl line every this many steps")
+    out_dir: str = flag("", "output folder; default runs/<name>")
+    seed: int = flag(0, "seed of the parameters and of the batch sampler")
+    data: str = flag("", "a folder of text files, or a .npy / .bin (uint16) token file; "
                           "default: the Python standard library's .py files")
-    tokenizer: str = _flag("bytes", "'bytes' (UTF-8 bytes, vocabulary 256) or the path of a "
+    tokenizer: str = flag("bytes", "'bytes' (UTF-8 bytes, vocabulary 256) or the path of a "
                                     "Hugging Face tokenizer.json (needs the tokenizers package)")
-    heldout_fraction: float = _flag(0.05, "fraction of files (or of a token file's tail) held out")
-    resume: bool = _flag(False, "continue from the newest checkpoint in --out-dir")
-    mesh: str = _flag("", "device mesh, e.g. data=2,fsdp=2: batch split over both axes, "
+    heldout_fraction: float = flag(0.05, "fraction of files (or of a token file's tail) held out")
+    resume: bool = flag(False, "continue from the newest checkpoint in --out-dir")
+    mesh: str = flag("", "device mesh, e.g. data=2,fsdp=2: batch split over both axes, "
                           "parameters and optimizer state over fsdp; default: all on data")
-    distributed: bool = _flag(False, "call jax.distributed.initialize() first (multi-host: "
+    distributed: bool = flag(False, "call jax.distributed.initialize() first (multi-host: "
                                      "one process per host; coordinator from the environment)")
 
     @property
@@ -103,22 +101,6 @@ class TrainConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.out_dir or os.path.join("runs", self.run_name))
-
-
-def flag_parser(config_cls, description: str) -> argparse.ArgumentParser:
-    """A parser with one flag per field of a dataclass of defaults (fields made by ``_flag``):
-    ``--field-name``, typed by the default; bools get ``--x / --no-x``."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for field in dataclasses.fields(config_cls):
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(field.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                default=field.default, **field.metadata)
-        else:
-            parser.add_argument(flag, type=type(field.default), default=field.default,
-                                **field.metadata)
-    return parser
 
 
 def parse_args(argv: Sequence[str] | None) -> TrainConfig:
@@ -471,20 +453,52 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
         return _train(cfg, mesh, primary, stop_after, corpus, quiet)
 
 
-def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after: int | None,
-           corpus: Corpus | None, quiet: bool) -> dict:
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = run_dir / "metrics.jsonl"
-    plot_path = run_dir / "metrics.png"
-    if corpus is None:
-        corpus = load_corpus(cfg.data, make_tokenizer(cfg.tokenizer), cfg.heldout_fraction)
-    log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    log(f"data: {corpus.description}")
-    log(f"mesh: {sharding.describe(mesh)}")
-    model, optimizer = build(cfg, corpus.vocab_size, mesh)
-    log(f"model: {cfg.model} ({model.cfg.param_count():,} parameters), FFN "
-        f"{cfg.implementation}, L1 {cfg.l1_coeff:g}, out {run_dir}")
+class _Records:
+    """The run's metric records, appended to ``metrics.jsonl`` as they come (by the primary
+    process only)."""
+
+    def __init__(self, path: Path, records: list[dict], primary: bool):
+        self.path, self.records, self.primary = path, records, primary
+        if primary:
+            with open(path, "w") as f:  # drop lines past the checkpoint
+                f.writelines(json.dumps(r) + "\n" for r in records)
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        if self.primary:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class _Clock:
+    """Accumulates wall time between start() and stop(), and a token count."""
+
+    def __init__(self):
+        self.seconds, self.tokens, self._since = 0.0, 0, None
+        self._logged_seconds, self._logged_tokens = 0.0, 0
+        self._rate = float("nan")
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._since is not None:
+            self.seconds += time.perf_counter() - self._since
+            self._since = None
+
+    def rate_since_last(self) -> float:
+        """Tokens/s over the time counted since the previous call (the previous rate when no
+        time was counted; NaN before any)."""
+        if self.seconds > self._logged_seconds:
+            self._rate = ((self.tokens - self._logged_tokens)
+                          / (self.seconds - self._logged_seconds))
+        self._logged_seconds, self._logged_tokens = self.seconds, self.tokens
+        return self._rate
+
+
+def _start_run(cfg: TrainConfig, run_dir: Path, model, optimizer, primary: bool, log):
+    """The checkpoint manager, the step to start from (restored with ``--resume``) and the
+    metric records up to it; writes the run's config.json."""
     manager = checkpoint_manager(run_dir)
     start = 0
     if cfg.resume:
@@ -493,77 +507,50 @@ def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after:
     elif manager.latest_step() is not None:
         raise SystemExit(f"{run_dir / 'ckpt'} holds checkpoints; pass --resume to continue, "
                          "or choose another --out-dir")
-    records = read_metrics(metrics_path, up_to_step=start) if start else []
+    metrics_path = run_dir / "metrics.jsonl"
+    records = _Records(metrics_path, read_metrics(metrics_path, up_to_step=start) if start else [],
+                       primary)
     if primary:
-        with open(metrics_path, "w") as f:  # drop lines past the checkpoint
-            f.writelines(json.dumps(r) + "\n" for r in records)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    return manager, start, records
 
-    def append(record: dict) -> None:
-        records.append(record)
-        if primary:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    l1_coeff = jnp.float32(cfg.l1_coeff)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=quiet,
-               dynamic_ncols=True, desc=cfg.run_name)
-    # Training time excludes the first step (compilation), evaluations and checkpoints.
-    clock = _Clock()
-    tokens_per_s = float("nan")
-    logged_s, logged_tokens = 0.0, 0
-    last_eval: dict = {}
-    for step in bar:
-        batch = sharding.shard_batch(sample_batch(corpus.train, cfg.batch_size, cfg.seq_len,
-                                                  cfg.seed, step, TRAIN_STREAM), mesh)
-        metrics = train_step(model, optimizer, batch, l1_coeff)
-        done = step + 1
-        if step == start:
-            jax.block_until_ready(metrics)
-            clock.start()
-        else:
-            clock.tokens += tokens_per_step
-        if done % cfg.log_every == 0 or done == end:
-            metrics = sharding.to_host(metrics)
-            clock.stop()
-            if clock.seconds > logged_s:
-                tokens_per_s = (clock.tokens - logged_tokens) / (clock.seconds - logged_s)
-            logged_s, logged_tokens = clock.seconds, clock.tokens
-            clock.start()
-            record = {"step": done, **{k: _jsonable(v) for k, v in metrics.items()},
-                      "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 1)}
-            append(record)
-            bar.set_postfix(loss=f"{record['ce']:.3f}", nnz=f"{np.mean(record['nnz_mean']):.1f}",
-                            tok_s=f"{tokens_per_s:,.0f}")
-            if not np.isfinite(record["loss"]):
-                raise FloatingPointError(f"loss is {record['loss']} at step {done}")
-        at_eval = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
-        at_ckpt = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
-        if at_eval or at_ckpt:
-            jax.block_until_ready(metrics)
-            clock.stop()
-        if at_eval:
-            last_eval = evaluate(model, corpus, cfg, mesh)
-            distribution = last_eval.pop("nnz_distribution")
-            append({"step": done, **last_eval})
-            if primary:
-                (run_dir / "nnz_distribution.json").write_text(json.dumps(
-                    {"step": done, "d_ff": model.cfg.d_ff, "source": "held-out batches",
-                     **distribution}) + "\n")
-                write_plot(records, plot_path, cfg.run_name)
-            if not quiet:
-                bar.write(f"step {done}: held-out loss {last_eval['eval_loss']:.4f}, "
-                          f"dead units by layer {last_eval['dead_frac']}")
-        if at_ckpt:
-            save_checkpoint(manager, done, model, optimizer)
-        if at_eval or at_ckpt:
-            clock.start()
-    bar.close()
-    manager.close()
-    if primary:
-        write_plot(records, plot_path, cfg.run_name)
+def _log_metrics(metrics, done: int, clock: _Clock, records: _Records, bar) -> None:
+    """Records one step's training metrics and the throughput since the previous record."""
+    metrics = sharding.to_host(metrics)
+    clock.stop()
+    tokens_per_s = clock.rate_since_last()
+    clock.start()
+    record = {"step": done, **{k: _jsonable(v) for k, v in metrics.items()},
+              "tokens_per_s": None if math.isnan(tokens_per_s) else round(tokens_per_s, 1)}
+    records.append(record)
+    bar.set_postfix(loss=f"{record['ce']:.3f}", nnz=f"{np.mean(record['nnz_mean']):.1f}",
+                    tok_s=f"{tokens_per_s:,.0f}")
+    if not np.isfinite(record["loss"]):
+        raise FloatingPointError(f"loss is {record['loss']} at step {done}")
+
+
+def _evaluate_and_record(model, corpus: Corpus, cfg: TrainConfig, mesh, done: int,
+                         records: _Records, run_dir: Path, bar, quiet: bool) -> dict:
+    """Held-out evaluation at step ``done``: recorded, the nnz distribution and the plot
+    written; returns the evaluation (without the distribution)."""
+    evaluation = evaluate(model, corpus, cfg, mesh)
+    distribution = evaluation.pop("nnz_distribution")
+    records.append({"step": done, **evaluation})
+    if records.primary:
+        (run_dir / "nnz_distribution.json").write_text(json.dumps(
+            {"step": done, "d_ff": model.cfg.d_ff, "source": "held-out batches",
+             **distribution}) + "\n")
+        write_plot(records.records, run_dir / "metrics.png", cfg.run_name)
+    if not quiet:
+        bar.write(f"step {done}: held-out loss {evaluation['eval_loss']:.4f}, "
+                  f"dead units by layer {evaluation['dead_frac']}")
+    return evaluation
+
+
+def _summarize(cfg: TrainConfig, end: int, records: list[dict], last_eval: dict, clock: _Clock,
+               run_dir: Path, d_ff: int, log) -> dict:
+    """The run's summary (last training record, last evaluation, throughput), logged."""
     last = next((r for r in reversed(records) if "ce" in r), {})
     summary = {
         "step": end,
@@ -581,25 +568,63 @@ def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after:
     log(f"done: step {end}/{cfg.steps}; train cross-entropy {first.get('ce', float('nan')):.3f} "
         f"-> {summary['train_ce']:.3f}; held-out loss {summary['eval_loss']}")
     log(f"  nnz per token by layer: {_fmt(first.get('nnz_mean'))} -> {_fmt(summary['nnz_mean'])} "
-        f"of {model.cfg.d_ff} (p99 {summary['nnz_p99']}, max {summary['nnz_max']}); heavy rows {summary['heavy_rows']}")
+        f"of {d_ff} (p99 {summary['nnz_p99']}, max {summary['nnz_max']}); heavy rows {summary['heavy_rows']}")
     log(f"  dead units by layer: {summary['dead_frac']}; {summary['tokens_per_s']} tokens/s; "
-        f"logs {metrics_path}, plot {plot_path}")
+        f"logs {run_dir / 'metrics.jsonl'}, plot {run_dir / 'metrics.png'}")
     return summary
 
 
-class _Clock:
-    """Accumulates wall time between start() and stop(), and a token count."""
+def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after: int | None,
+           corpus: Corpus | None, quiet: bool) -> dict:
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if corpus is None:
+        corpus = load_corpus(cfg.data, make_tokenizer(cfg.tokenizer), cfg.heldout_fraction)
+    log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    log(f"data: {corpus.description}")
+    log(f"mesh: {sharding.describe(mesh)}")
+    model, optimizer = build(cfg, corpus.vocab_size, mesh)
+    log(f"model: {cfg.model} ({model.cfg.param_count():,} parameters), FFN "
+        f"{cfg.implementation}, L1 {cfg.l1_coeff:g}, out {run_dir}")
+    manager, start, records = _start_run(cfg, run_dir, model, optimizer, primary, log)
 
-    def __init__(self):
-        self.seconds, self.tokens, self._since = 0.0, 0, None
-
-    def start(self) -> None:
-        self._since = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._since is not None:
-            self.seconds += time.perf_counter() - self._since
-            self._since = None
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    l1_coeff = jnp.float32(cfg.l1_coeff)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=quiet,
+               dynamic_ncols=True, desc=cfg.run_name)
+    # Training time excludes the first step (compilation), evaluations and checkpoints.
+    clock = _Clock()
+    last_eval: dict = {}
+    for step in bar:
+        batch = sharding.shard_batch(sample_batch(corpus.train, cfg.batch_size, cfg.seq_len,
+                                                  cfg.seed, step, TRAIN_STREAM), mesh)
+        metrics = train_step(model, optimizer, batch, l1_coeff)
+        done = step + 1
+        if step == start:
+            jax.block_until_ready(metrics)
+            clock.start()
+        else:
+            clock.tokens += tokens_per_step
+        if done % cfg.log_every == 0 or done == end:
+            _log_metrics(metrics, done, clock, records, bar)
+        at_eval = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
+        at_ckpt = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
+        if at_eval or at_ckpt:
+            jax.block_until_ready(metrics)
+            clock.stop()
+        if at_eval:
+            last_eval = _evaluate_and_record(model, corpus, cfg, mesh, done, records, run_dir,
+                                             bar, quiet)
+        if at_ckpt:
+            save_checkpoint(manager, done, model, optimizer)
+        if at_eval or at_ckpt:
+            clock.start()
+    bar.close()
+    manager.close()
+    if primary:
+        write_plot(records.records, run_dir / "metrics.png", cfg.run_name)
+    return _summarize(cfg, end, records.records, last_eval, clock, run_dir, model.cfg.d_ff, log)
 
 
 def _fmt(values) -> str:

@@ -87,7 +87,7 @@ def default_row_pack_config(m: int, f: int, tile_width: int) -> RowPackConfig:
 
     H100, M = 16384, F = 5632 (184 MB of bf16 pre-activations): 1 row / 512 columns / 1 warp
     0.224 ms; 1 row 2 warps 0.295; 2 rows 2 warps 0.296; 4 rows 4 warps 0.302; 8 rows 0.287;
-    16 rows x 128 columns 0.432 (the old per-tile pack_rows: 0.42 with its ReLU pass).
+    16 rows x 128 columns 0.432 (BENCHMARKS.md compares it with the kernel it replaced).
     D = 4096, F = 14336: 0.577 against 0.67-1.0 for the others."""
     del m
     chunk = tile_width

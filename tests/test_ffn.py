@@ -10,7 +10,7 @@ import pytest
 
 import twell_jax as tj
 from twell_jax import ffn
-from tests.utils import (GRAD_TOLERANCES, PATTERNS, assert_close, dense_ffn_f32, ffn_float64,
+from tests.utils import (PATTERNS, assert_close, dense_ffn_f32, ffn_float64,
                          make_ffn_inputs, seed_of)
 
 SPARSE_IMPLS = ("reference", "pallas")
@@ -90,7 +90,7 @@ def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
     for name, got, want in zip(names, jax.tree_util.tree_leaves(grads),
                                jax.tree_util.tree_leaves(expected)):
         assert got.dtype == dtype
-        assert_close(got, want, dtype, table=GRAD_TOLERANCES, what=f"{implementation} {name}")
+        assert_close(got, want, dtype, kind="grad", what=f"{implementation} {name}")
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
@@ -123,7 +123,7 @@ def test_gate_bias_forward_and_gradients(implementation, dtype, pattern, gated):
     for i, (got, want) in enumerate(zip(jax.tree_util.tree_leaves(grads),
                                         jax.tree_util.tree_leaves(expected))):
         assert got.dtype == dtype
-        assert_close(got, want, dtype, table=GRAD_TOLERANCES, what=f"{implementation} grad {i}")
+        assert_close(got, want, dtype, kind="grad", what=f"{implementation} grad {i}")
 
 
 def test_bad_bias_raises():

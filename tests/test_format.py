@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import twell_jax as tj
+from twell_jax import format as fmt
 from twell_jax.format import heavy_rows, pack_tiles, row_compact
 
 ROW_KINDS = ("zero", "dense", "sparse", "at_capacity", "over_capacity", "heavy_tailed")
@@ -49,7 +50,7 @@ def _packing_case(draw):
 @given(_packing_case())
 def test_pack_round_trip_is_exact(case):
     h, config = case
-    packed = tj.pack(jnp.asarray(h), config)
+    packed = fmt.pack(jnp.asarray(h), config)
     np.testing.assert_array_equal(np.asarray(packed.to_dense()), h)
     assert not bool(packed.overflowed)
     # Counts are the true counts; heavy rows are exactly those over S in some tile.
@@ -90,19 +91,19 @@ def test_backup_capacity_and_overflow():
     h[4, 3:12] = 2.0  # heavy with S = 4
     h[2, 5] = -3.0  # light
     config = tj.TwELLConfig(tile_width=16, slots_per_tile=4, backup_rows=2)
-    packed = tj.pack(jnp.asarray(h), config)
+    packed = fmt.pack(jnp.asarray(h), config)
     assert int(packed.num_heavy) == 2 and not bool(packed.overflowed)
     np.testing.assert_array_equal(np.asarray(packed.backup_index), [1, 4])
     np.testing.assert_array_equal(np.asarray(packed.to_dense()), h)
-    small = tj.pack(jnp.asarray(h), tj.TwELLConfig(tile_width=16, slots_per_tile=4, backup_rows=1))
+    small = fmt.pack(jnp.asarray(h), tj.TwELLConfig(tile_width=16, slots_per_tile=4, backup_rows=1))
     assert bool(small.overflowed)  # visible to the caller, never silent
 
 
 def test_pack_works_under_jit_and_is_a_pytree():
     h = jnp.asarray(np.random.default_rng(0).standard_normal((8, 70)), jnp.bfloat16)
     config = tj.TwELLConfig(tile_width=32, slots_per_tile=4)
-    packed = jax.jit(lambda a: tj.pack(a, config))(h)
-    assert isinstance(packed, tj.TwELL) and packed.shape == (8, 70)
+    packed = jax.jit(lambda a: fmt.pack(a, config))(h)
+    assert isinstance(packed, fmt.TwELL) and packed.shape == (8, 70)
     leaves = jax.tree_util.tree_leaves(packed)
     assert len(leaves) == 6
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda p: p.to_dense())(packed)), np.asarray(h))
@@ -120,4 +121,4 @@ def test_config_rejects_bad_values(kwargs):
 
 def test_pack_rejects_wrong_rank():
     with pytest.raises(ValueError, match="shape"):
-        tj.pack(jnp.zeros((2, 3, 4)))
+        fmt.pack(jnp.zeros((2, 3, 4)))

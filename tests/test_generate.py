@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from tests.test_hf import HF_CONFIG, hf_weights, write_hf_folder
-from tests.utils import load_experiment
+from tests.utils import TOLERANCES, load_experiment, rel_err
 from twell_jax import model as model_lib
 from twell_jax.config import TwELLConfig
 
@@ -27,15 +27,6 @@ PAD = model_lib.PAD_TOKEN
 # As test_model.py: no heavy rows, so the sparse paths compute every token themselves.
 ALL_SPARSE = TwELLConfig(tile_width=16, slots_per_tile=16, max_row_density=1.0,
                          dense_fallback_density=1.0)
-# Relative norm error of cached against uncached logits (bf16: the decode attention rounds
-# its probabilities at other points than the full forward's).
-LOGITS_RTOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
-
-
-def rel_err(actual, expected) -> float:
-    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    assert a.shape == e.shape and np.all(np.isfinite(a))
-    return float(np.linalg.norm(a - e) / np.linalg.norm(e))
 
 
 @nnx.jit
@@ -94,7 +85,7 @@ def test_cached_decoding_matches_full_forward(dtype):
     assert cache.k[0].shape == (2, WIDTH, 4, 16) and cache.k[0].dtype == jnp.dtype(dtype)
     logits, cache = prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), cache)
     for i in range(NEW):
-        assert rel_err(logits, expected_logits[i]) < LOGITS_RTOL[jnp.dtype(dtype)], i
+        assert rel_err(logits, expected_logits[i]) < TOLERANCES["logits"][jnp.dtype(dtype)], i
         np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + i)
         logits, cache = decode_step(model, jnp.asarray(expected_tokens[:, i]), cache)
     # generate: one jitted program, same greedy tokens.

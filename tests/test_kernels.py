@@ -15,33 +15,9 @@ import jax.numpy as jnp
 from pallas_kernels.common import default_interpret
 from pallas_kernels.row_backward import row_backward, row_backward_reference
 from pallas_kernels.row_up_down import RowUpDownConfig
-from tests.utils import seed_of
+from tests.utils import assert_close, seed_of
 
 INTERPRET = default_interpret()
-
-# Relative error ||a - b|| / ||b|| allowed per output dtype (bf16: output rounding, 2^-8 per
-# element, against an fp32 reference; fp32: summation order over contraction lengths <= 384).
-TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
-
-
-def assert_close(actual, expected, dtype, name: str = "output"):
-    """Fails on NaN/Inf in ``actual`` and on a relative norm error above TOLERANCE[dtype]."""
-    a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    b = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
-    assert a.shape == b.shape, f"{name}: shape {a.shape} != expected {b.shape}"
-    assert np.all(np.isfinite(a)), f"{name}: {np.sum(~np.isfinite(a))} non-finite entries"
-    assert np.all(np.isfinite(b)), f"{name}: reference has non-finite entries"
-    tol = TOLERANCE[jnp.dtype(dtype)]
-    diff = np.abs(a - b)
-    norm_b = np.linalg.norm(b)
-    rel = np.linalg.norm(a - b) / norm_b if norm_b > 0 else np.linalg.norm(a)
-    max_abs = float(diff.max(initial=0.0))
-    max_rel = float((diff / np.maximum(np.abs(b), 1e-30)).max(initial=0.0))
-    assert rel <= tol, (
-        f"{name}: relative error {rel:.3e} > {tol:.0e} ({jnp.dtype(dtype).name}); "
-        f"max abs {max_abs:.3e}, max elementwise rel {max_rel:.3e}"
-    )
-
 
 # --------------------------------------------------------------------------------------------
 # Row-compacted inputs
@@ -113,10 +89,10 @@ def test_row_backward_matches_numpy_and_reference(m, d, f, k, config, gated, dty
     want = numpy_row_backward(dy, w_down, w_up_t, w_gate_t, gate, up, columns, row_nnz, l1)
     tol = jnp.float32 if dtype == jnp.float32 else dtype
     assert dx.dtype == jnp.float32 and dx.shape == (m, d)
-    assert_close(dx, want[0], tol, "dx")
-    assert_close(d1, want[1], tol, "du" if gated else "dh")
+    assert_close(dx, want[0], tol, kind="kernel", what="dx")
+    assert_close(d1, want[1], tol, kind="kernel", what="du" if gated else "dh")
     if gated:
-        assert_close(d2, want[2], tol, "dg")
+        assert_close(d2, want[2], tol, kind="kernel", what="dg")
     else:
         assert d2 is None
     # Garbage past the counts must not leak: compare with the reference on cleaned lists.
@@ -126,7 +102,7 @@ def test_row_backward_matches_numpy_and_reference(m, d, f, k, config, gated, dty
                                  jnp.where(valid, columns, 0), row_nnz, l1)
     for got, expected in zip((dx, d1, d2), ref):
         if expected is not None:
-            assert_close(got, expected, tol, "vs reference")
+            assert_close(got, expected, tol, kind="kernel", what="vs reference")
 
 
 def test_row_backward_rejects_bad_input():

@@ -11,6 +11,8 @@ from flax import nnx
 
 import twell_jax
 from twell_jax import nn
+from twell_jax.inputs import with_threshold_row
+from tests.utils import TOLERANCES, assert_close
 
 
 SPARSE_IMPLEMENTATIONS = ["reference", "pallas"]
@@ -21,25 +23,6 @@ PARAM_SHAPES = {
     "plain": lambda d, f: {"w_up": (d, f), "w_down": (f, d)},
 }
 
-# Relative error (norm of the difference over norm of the reference) allowed between two
-# implementations, by compute dtype. bf16: both round h and y to bf16 (eps 2^-8 = 3.9e-3) at
-# different points; f32: only accumulation order differs.
-RTOL = {jnp.dtype(jnp.bfloat16): 1.5e-2, jnp.dtype(jnp.float32): 2e-5}
-
-
-def assert_close(actual, expected, rtol: float, what: str = ""):
-    """Fails on NaN/Inf and when the relative norm error exceeds ``rtol``; reports both errors."""
-    a = np.asarray(actual, np.float64)
-    e = np.asarray(expected, np.float64)
-    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
-    assert np.all(np.isfinite(a)), f"{what}: non-finite values in the result"
-    assert np.all(np.isfinite(e)), f"{what}: non-finite values in the expected result"
-    diff = a - e
-    rel = np.linalg.norm(diff) / max(np.linalg.norm(e), 1e-30)
-    assert rel <= rtol, (f"{what}: relative error {rel:.3e} > {rtol:.1e} "
-                         f"(max abs error {np.max(np.abs(diff)):.3e})")
-
-
 def make_layer(kind: str, d_model: int, d_ff: int, implementation: str, seed: int = 0,
                density: float | None = 0.05, **kwargs):
     """A layer whose gate (first weight) is about ``density`` active on ``make_x`` rows
@@ -49,10 +32,7 @@ def make_layer(kind: str, d_model: int, d_ff: int, implementation: str, seed: in
                          **kwargs)
     if density is not None:
         gate = layer.w_gate if kind == "gated" else layer.w_up
-        w = gate[...]
-        z = float(jax.scipy.special.ndtri(1.0 - density))
-        threshold = z * jnp.linalg.norm(w[:-1].astype(jnp.float32), axis=0)
-        gate[...] = w.at[-1].set(-threshold.astype(w.dtype))
+        gate[...] = with_threshold_row(gate[...], density)
     return layer
 
 
@@ -210,12 +190,12 @@ def test_implementations_agree_with_xla(kind, dtype, m, d_model, d_ff, density, 
     x = make_x((m, d_model), dtype)
     y_sparse, (s_sparse,) = captured(sparse, x)
     y_dense, (s_dense,) = captured(dense, x)
-    assert_close(y_sparse, y_dense, RTOL[jnp.dtype(dtype)], f"{implementation} vs xla")
+    assert_close(y_sparse, y_dense, dtype, kind="layer", what=f"{implementation} vs xla")
     # The gate is computed the same way on every path, so the counts agree exactly.
     assert int(s_sparse.nnz_max) == int(s_dense.nnz_max)
     assert float(s_sparse.nnz_mean) == pytest.approx(float(s_dense.nnz_mean))
     assert int(s_sparse.heavy_rows) == int(s_dense.heavy_rows)
-    assert float(s_sparse.l1) == pytest.approx(float(s_dense.l1), rel=RTOL[jnp.dtype(dtype)])
+    assert float(s_sparse.l1) == pytest.approx(float(s_dense.l1), rel=TOLERANCES["layer"][jnp.dtype(dtype)])
     if density is None:
         assert int(s_sparse.heavy_rows) == m  # the dense backup took every row
     else:
@@ -323,4 +303,5 @@ def test_l1_gradient_matches_xla():
     grads = {implementation: l1_grad(make_layer("gated", 16, 96, implementation, density=0.1))
              for implementation in ("reference", "xla")}
     for name in ("w_gate", "w_up", "w_down"):
-        assert_close(grads["reference"][name][...], grads["xla"][name][...], 2e-5, name)
+        assert_close(grads["reference"][name][...], grads["xla"][name][...], tol=2e-5,
+                     what=name)

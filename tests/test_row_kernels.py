@@ -10,8 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.row_pack import RowPackConfig, row_pack, row_pack_reference
 from pallas_kernels.row_up_down import RowUpDownConfig, row_up_down, row_up_down_reference
-from tests.test_kernels import assert_close
-from tests.utils import seed_of
+from tests.utils import assert_close, seed_of
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 
@@ -157,10 +156,11 @@ def test_row_up_down_matches_numpy_and_reference(m, d, f, k, config, gated, dtyp
     y, up = row_up_down(x, w_up_t, w_down, gate, columns, row_nnz, config=config)
     want_y, want_up = numpy_up_down(x, w_up_t, w_down, gate, columns, row_nnz, gated)
     assert y.dtype == dtype and y.shape == (m, d)
-    assert_close(y, want_y, dtype, "y")
+    assert_close(y, want_y, dtype, kind="kernel", what="y")
     if gated:
         assert up.dtype == jnp.float32 and up.shape == (m, k)
-        assert_close(up, want_up, jnp.float32 if dtype == jnp.float32 else dtype, "up")
+        assert_close(up, want_up, jnp.float32 if dtype == jnp.float32 else dtype, kind="kernel",
+                     what="up")
         past = np.arange(k)[None, :] >= np.asarray(row_nnz)[:, None]
         assert np.all(np.asarray(up)[past] == 0.0)  # 0 past each row's count
     else:
@@ -170,9 +170,9 @@ def test_row_up_down_matches_numpy_and_reference(m, d, f, k, config, gated, dtyp
         clean = (None, None) + clean[2:]
     ref_y, ref_up = row_up_down_reference(*clean)
     got_y, got_up = row_up_down(*clean, config=config)
-    assert_close(got_y, ref_y, dtype, "y vs reference")
+    assert_close(got_y, ref_y, dtype, kind="kernel", what="y vs reference")
     if gated:
-        assert_close(got_up, ref_up, jnp.float32, "up vs reference")
+        assert_close(got_up, ref_up, jnp.float32, kind="kernel", what="up vs reference")
 
 
 def test_row_up_down_out_dtype_and_nan_propagation():

@@ -1,8 +1,8 @@
 """twell-jax: TwELL (Tile-wise ELLPACK) sparse feed-forward layers for JAX and Pallas."""
 
 from twell_jax.config import TwELLConfig
-from twell_jax.ffn import IMPLEMENTATIONS, FFNStats, gated_mlp, mlp
-from twell_jax.format import TwELL, pack
+from twell_jax.backends import IMPLEMENTATIONS
+from twell_jax.ffn import FFNStats, gated_mlp, mlp
 from twell_jax import nn
 
-__all__ = ["TwELLConfig", "TwELL", "pack", "gated_mlp", "mlp", "FFNStats", "IMPLEMENTATIONS", "nn"]
+__all__ = ["TwELLConfig", "gated_mlp", "mlp", "FFNStats", "IMPLEMENTATIONS", "nn"]

@@ -6,9 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-
-def _is_power_of_two(n: int) -> bool:
-    return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
+from pallas_kernels.common import is_power_of_two
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,9 +90,9 @@ class TwELLConfig:
     cost_model: CostModel = dataclasses.field(default_factory=lambda: CostModel())
 
     def __post_init__(self):
-        if not _is_power_of_two(self.tile_width) or self.tile_width < 16:
+        if not is_power_of_two(self.tile_width) or self.tile_width < 16:
             raise ValueError(f"tile_width must be a power of two >= 16, got {self.tile_width!r}")
-        if not _is_power_of_two(self.slots_per_tile) or self.slots_per_tile > self.tile_width:
+        if not is_power_of_two(self.slots_per_tile) or self.slots_per_tile > self.tile_width:
             raise ValueError(
                 f"slots_per_tile must be a power of two <= tile_width={self.tile_width}, "
                 f"got {self.slots_per_tile!r}"

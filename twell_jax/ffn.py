@@ -7,6 +7,8 @@ Every implementation computes the same function (up to bf16 rounding):
 
 (the biases are optional: a per-unit threshold that sets each unit's firing rate).
 
+The implementations are the backends of ``twell_jax.backends``, looked up by name:
+
 - ``"xla"``: the dense computation as a plain Flax MLP writes it (GEMMs with x.dtype outputs,
   float32 accumulation inside; the baseline every speed ratio is taken against); plain autodiff.
 - ``"reference"``: the TwELL algorithm in plain jnp: pack the gate per column tile, compute
@@ -23,7 +25,7 @@ the sparse backward, so ``loss + coeff * stats.l1`` trains the L1 penalty at no 
 from __future__ import annotations
 
 import functools
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +33,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.common import default_interpret
 from twell_jax import backends
+from twell_jax.backends import Backend, Implementation, RowLists
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 from twell_jax.dense import gate_pre_activation
-from twell_jax.format import heavy_row_index, heavy_rows
+from twell_jax.format import column_sums, heavy_row_index, heavy_rows, mask_lists
 
 RESIDUALS_NAME = "twell_residuals"
 """The ``checkpoint_name`` of the sparse FFN's saved lists (for remat policies)."""
 
-Implementation = Literal["pallas", "reference", "xla"]
-IMPLEMENTATIONS: tuple[str, ...] = ("pallas", "reference", "xla")
 _F32 = jnp.float32
 
 
@@ -177,6 +178,7 @@ def _sparse_never_pays(m: int, d: int, f: int, dtype, config: TwELLConfig) -> bo
     return cost.sparse_fixed_seconds > cost.dense_ffn_seconds(m, d, f, itemsize)
 
 
+
 class _Residuals(NamedTuple):
     x: jax.Array
     weights: tuple[jax.Array, ...]
@@ -189,57 +191,78 @@ class _Residuals(NamedTuple):
     num_heavy: jax.Array
     dense: jax.Array  # [] bool: the whole batch took the dense path
 
+    @property
+    def gate(self) -> RowLists:
+        return RowLists(self.gate_values, self.columns, self.row_nnz)
+
+
+def _light_lists(lists: RowLists, heavy: jax.Array, f: int, config: TwELLConfig) -> RowLists:
+    """The lists of the light rows only, entries past each row's count zeroed.
+
+    Heavy rows are the backup's: the sparse products skip them entirely (row_nnz 0). A light
+    row holds at most max_row_nnz entries, so the lists (and the residuals) keep only that many
+    slots; the backends leave entries past a row's count unspecified, hence the mask."""
+    light_slots = min(lists.values.shape[1], config.max_row_nnz(f))
+    row_nnz = jnp.where(heavy, 0, jnp.minimum(lists.row_nnz, light_slots))
+    values, columns = mask_lists(lists.values[:, :light_slots], lists.columns[:, :light_slots],
+                                 row_nnz)
+    return RowLists(values, columns, row_nnz)
+
+
+def _sparse_forward(backend: Backend, x, weights, bias, gated, gate: RowLists, heavy, num_heavy,
+                    sizes):
+    """Light rows on the lists, heavy rows through the dense backup: (y [M, D] x.dtype, l1 sum
+    [] f32, up_values [M, K] f32 or [M, 0])."""
+    m = x.shape[0]
+    if gated:
+        _, w_up, w_down = weights
+        y, up_values = backend.up_down(x, w_up.T, w_down, gate)
+        h = gate.values.astype(_F32) * up_values
+    else:
+        y, _ = backend.up_down(None, None, weights[-1], gate)
+        up_values = jnp.zeros((m, 0), _F32)
+        h = gate.values.astype(_F32)
+    l1_sum = jnp.sum(jnp.abs(h))  # unused entries hold 0
+    y = y.astype(x.dtype)
+
+    def run_rows(index):
+        rows = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+        y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
+        return (y.at[index].set(y_rows, mode="drop"),
+                l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)))
+
+    y_out, l1 = _run_backup(heavy, num_heavy, sizes, run_rows, (y, l1_sum))
+    return y_out, l1, up_values
+
+
+def _dense_forward(x, weights, bias, gated, pre, up_slots: int):
+    """The whole batch dense: (y [M, D] x.dtype, l1 sum [] f32, zero up_values [M, up_slots])."""
+    if pre is None:
+        y, l1_rows, _ = _dense_rows(x, weights, bias, gated)
+    else:  # the backend already paid for the gate GEMM: reuse its output
+        y, l1_rows = _dense_from_pre(x, pre, weights, gated)
+    return y, jnp.sum(l1_rows), jnp.zeros((x.shape[0], up_slots), _F32)
+
 
 def _twell_forward(x, weights, bias, gated, implementation, config):
     backend = backends.get(implementation)
     m = x.shape[0]
     f = weights[0].shape[1]
-    values, columns, counts, row_total, pre = backend.pack(x, weights[0], bias, config)
+    lists, counts, pre = backend.pack(x, weights[0], bias, config)
     heavy = heavy_rows(counts, config, f)
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
-    # Heavy rows are the backup's: the sparse products skip them entirely. A light row holds
-    # at most max_row_nnz entries, so the lists (and the residuals) keep only that many slots;
-    # entries past a row's count are zeroed (the backends leave them unspecified).
-    light_slots = min(values.shape[1], config.max_row_nnz(f))
-    row_nnz = jnp.where(heavy, 0, jnp.minimum(row_total, light_slots))
-    valid = jnp.arange(light_slots, dtype=jnp.int32)[None, :] < row_nnz[:, None]
-    gate_values = jnp.where(valid, values[:, :light_slots], 0)
-    columns = jnp.where(valid, columns[:, :light_slots], 0)
+    gate = _light_lists(lists, heavy, f, config)
     sizes = _backup_sizes(m, config)
     overflow = num_heavy > (sizes[-1] if sizes else 0)
     dense = overflow
-    if implementation == "pallas":
+    if backend.cost_model_routes:
         dense = dense | _cheaper_dense(row_nnz_all, heavy, x, f, config)
 
-    def sparse_branch():
-        if gated:
-            _, w_up, w_down = weights
-            y, up_values = backend.up_down(x, w_up.T, w_down, gate_values, columns, row_nnz)
-            h = gate_values.astype(_F32) * up_values
-        else:
-            y, _ = backend.up_down(None, None, weights[-1], gate_values, columns, row_nnz)
-            up_values = jnp.zeros((m, 0), _F32)
-            h = gate_values.astype(_F32)
-        l1_sum = jnp.sum(jnp.abs(h))  # unused entries hold 0
-
-        def run_rows(index):
-            rows = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
-            y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
-            return (y.astype(x.dtype).at[index].set(y_rows, mode="drop"),
-                    l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)))
-
-        y_out, l1 = _run_backup(heavy, num_heavy, sizes, run_rows, (y.astype(x.dtype), l1_sum))
-        return y_out, l1, up_values
-
-    def dense_branch():
-        if pre is None:
-            y, l1_rows, _ = _dense_rows(x, weights, bias, gated)
-        else:  # the backend already paid for the gate GEMM: reuse its output
-            y, l1_rows = _dense_from_pre(x, pre, weights, gated)
-        up_shape = (m, gate_values.shape[1] if gated else 0)
-        return y, jnp.sum(l1_rows), jnp.zeros(up_shape, _F32)
-
+    sparse_branch = functools.partial(_sparse_forward, backend, x, weights, bias, gated, gate,
+                                      heavy, num_heavy, sizes)
+    dense_branch = functools.partial(_dense_forward, x, weights, bias, gated, pre,
+                                     gate.values.shape[1] if gated else 0)
     y, l1_sum, up_values = jax.lax.cond(dense, dense_branch, sparse_branch)
     stats = FFNStats(
         nnz_mean=jnp.mean(row_nnz_all.astype(_F32)),
@@ -253,79 +276,85 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     # Named so a remat policy can keep the packed lists (~1% of the dense residuals) instead of
     # recomputing the FFN forward in the backward (``RESIDUALS_NAME``).
     packed = jax.tree.map(lambda a: checkpoint_name(a, RESIDUALS_NAME),
-                          (gate_values, up_values, columns, row_nnz, heavy, num_heavy, dense))
+                          (gate.values, up_values, gate.columns, gate.row_nnz, heavy,
+                           num_heavy, dense))
     residuals = _Residuals(x, weights, bias, *packed)
     return (y, stats), residuals
+
+
+def _dense_vjp(gated: bool, x, weights, bias, dy, l1_ct_rows):
+    """(dx, d_weights, d_bias or None) of the dense function on rows x [R, D], given the
+    cotangents dy [R, D] and l1_ct_rows [R] of its outputs."""
+    def fn(xx, ww, bb):
+        y, l1_rows, _ = _dense_rows(xx, ww, bb, gated)
+        return y, l1_rows
+
+    _, vjp = jax.vjp(fn, x, weights, bias)
+    return vjp((dy, l1_ct_rows))
+
+
+def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
+    """The light rows' gradients from the lists: (dx [M, D], d_weights, d_bias or None), f32."""
+    x, weights, gate = r.x, r.weights, r.gate
+    f = weights[0].shape[1]
+    g = gate.values.astype(_F32)
+    # The transposed products, one [F, D] per values array.
+    outer = lambda values, b: backend.sparse_outer(values, gate.columns, gate.row_nnz, b, f)
+    if gated:
+        w_gate, w_up, w_down = weights
+        dx, du, dg = backend.row_backward(dy, w_down, w_up.T, w_gate.T, gate, r.up_values, l1_ct)
+        (d_w_down,) = outer((g * r.up_values,), dy)
+        d_w_gate, d_w_up = outer((dg, du), x)  # one pass over x serves both
+        d_weights, d_pre = (d_w_gate.T, d_w_up.T, d_w_down), dg
+    else:
+        w_up, w_down = weights
+        dx, dh, _ = backend.row_backward(dy, w_down, w_up.T, None, gate, None, l1_ct)
+        (d_w_down,) = outer((g,), dy)
+        (d_w_up,) = outer((dh,), x)
+        d_weights, d_pre = (d_w_up.T, d_w_down), dh
+    # d bias: the pre-activation gradients summed per column.
+    d_bias = None if r.bias is None else column_sums(d_pre, gate.columns, gate.row_nnz, f)
+    return dx, d_weights, d_bias
+
+
+def _add_backup_grads(gated: bool, r: _Residuals, dy, l1_ct, grads, index):
+    """``grads`` plus the dense gradients of the heavy rows ``index`` [size] (padded with M)."""
+    dx, d_weights, d_bias = grads
+    valid = index < r.x.shape[0]
+    rows_x = jnp.take(r.x, index, axis=0, mode="fill", fill_value=0)
+    rows_dy = jnp.take(dy, index, axis=0, mode="fill", fill_value=0)
+    rows_dx, rows_dw, rows_db = _dense_vjp(gated, rows_x, r.weights, r.bias, rows_dy,
+                                           jnp.where(valid, l1_ct, 0.0))
+    dx_out = dx.at[index].add(rows_dx.astype(_F32), mode="drop")
+    db_out = None if r.bias is None else d_bias + rows_db.astype(_F32)
+    return dx_out, tuple(a + b.astype(_F32) for a, b in zip(d_weights, rows_dw)), db_out
+
+
+def _sparse_backward(backend: Backend, gated: bool, config: TwELLConfig, r: _Residuals, dy,
+                     l1_ct):
+    """Gradients of the sparse forward: the lists' products plus the dense backup's rows."""
+    grads = _list_grads(backend, gated, r, dy, l1_ct)
+    run_rows = functools.partial(_add_backup_grads, gated, r, dy, l1_ct, grads)
+    sizes = _backup_sizes(r.x.shape[0], config)
+    return _run_backup(r.heavy, r.num_heavy, sizes, run_rows, grads)
+
+
+def _dense_backward(gated: bool, r: _Residuals, dy, l1_ct):
+    """Gradients of the all-dense forward, f32."""
+    dx, dw, db = _dense_vjp(gated, r.x, r.weights, r.bias, dy, jnp.full((r.x.shape[0],), l1_ct))
+    return (dx.astype(_F32), tuple(w.astype(_F32) for w in dw),
+            None if r.bias is None else db.astype(_F32))
 
 
 def _twell_backward(gated, implementation, config, residuals: _Residuals, cotangents):
     dy, stats_ct = cotangents
     r = residuals
-    backend = backends.get(implementation)
-    x, weights, bias = r.x, r.weights, r.bias
-    m = x.shape[0]
-    f = weights[0].shape[1]
-    l1_ct = stats_ct.l1.astype(_F32) / m  # d(l1)/dh = sign(h) / M
-
-    def dense_vjp(rows_x, rows_dy, rows_l1_ct):
-        """(dx, d_weights, d_bias or None) of the dense function on some rows."""
-        def fn(xx, ww, bb):
-            y, l1_rows, _ = _dense_rows(xx, ww, bb, gated)
-            return y, l1_rows
-
-        _, vjp = jax.vjp(fn, rows_x, weights, bias)
-        return vjp((rows_dy, rows_l1_ct))
-
-    def bias_grad(d_pre):
-        """d bias [F] f32: the pre-activation gradients [M, K] summed per column."""
-        if bias is None:
-            return None
-        valid = jnp.arange(r.columns.shape[1])[None, :] < r.row_nnz[:, None]
-        dest = jnp.where(valid, r.columns, f)  # f = dropped
-        return jnp.zeros((f,), _F32).at[dest].add(jnp.where(valid, d_pre, 0.0), mode="drop")
-
-    def sparse_branch():
-        g = r.gate_values.astype(_F32)
-
-        def outer(values, b):  # the transposed products, one [F, D] per values array
-            return backend.sparse_outer(values, r.columns, r.row_nnz, b, f)
-
-        if gated:
-            w_gate, w_up, w_down = weights
-            dx, du, dg = backend.row_backward(dy, w_down, w_up.T, w_gate.T, r.gate_values,
-                                              r.up_values, r.columns, r.row_nnz, l1_ct)
-            (d_w_down,) = outer((g * r.up_values,), dy)
-            d_w_gate, d_w_up = outer((dg, du), x)  # one pass over x serves both
-            d_weights = (d_w_gate.T, d_w_up.T, d_w_down)
-            d_bias = bias_grad(dg)
-        else:
-            w_up, w_down = weights
-            dx, dh, _ = backend.row_backward(dy, w_down, w_up.T, None, r.gate_values, None,
-                                             r.columns, r.row_nnz, l1_ct)
-            (d_w_down,) = outer((g,), dy)
-            (d_w_up,) = outer((dh,), x)
-            d_weights = (d_w_up.T, d_w_down)
-            d_bias = bias_grad(dh)
-        init = (dx, d_weights, d_bias)
-
-        def run_rows(index):
-            valid = index < m
-            rows_x = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
-            rows_dy = jnp.take(dy, index, axis=0, mode="fill", fill_value=0)
-            rows_dx, rows_dw, rows_db = dense_vjp(rows_x, rows_dy, jnp.where(valid, l1_ct, 0.0))
-            dx_out = dx.at[index].add(rows_dx.astype(_F32), mode="drop")
-            db_out = None if bias is None else d_bias + rows_db.astype(_F32)
-            return (dx_out, tuple(a + b.astype(_F32) for a, b in zip(d_weights, rows_dw)),
-                    db_out)
-
-        return _run_backup(r.heavy, r.num_heavy, _backup_sizes(m, config), run_rows, init)
-
-    def dense_branch():
-        dx, dw, db = dense_vjp(x, dy, jnp.full((m,), l1_ct))
-        return (dx.astype(_F32), tuple(w.astype(_F32) for w in dw),
-                None if bias is None else db.astype(_F32))
-
+    l1_ct = stats_ct.l1.astype(_F32) / r.x.shape[0]  # d(l1)/dh = sign(h) / M
+    sparse_branch = functools.partial(_sparse_backward, backends.get(implementation), gated,
+                                      config, r, dy, l1_ct)
+    dense_branch = functools.partial(_dense_backward, gated, r, dy, l1_ct)
     dx, d_weights, d_bias = jax.lax.cond(r.dense, dense_branch, sparse_branch)
+    x, weights, bias = r.x, r.weights, r.bias
     return (dx.astype(x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, weights)),
             None if bias is None else d_bias.astype(bias.dtype))
 
@@ -343,8 +372,7 @@ _twell_ffn.defvjp(_twell_forward, _twell_backward)
 
 
 def _check_inputs(x, weights, names, bias, bias_name, implementation, config):
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    backends.check(implementation)
     if config is not None and not isinstance(config, TwELLConfig):
         raise TypeError(f"config must be a TwELLConfig or None, got {type(config).__name__}")
     for name, a in zip(("x",) + names, (x,) + weights):
@@ -378,6 +406,7 @@ def _check_inputs(x, weights, names, bias, bias_name, implementation, config):
 
 def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, return_stats):
     _check_inputs(x, weights, names, bias, bias_name, implementation, config)
+    backend = backends.get(implementation)
     config = DEFAULT_CONFIG if config is None else config
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -390,9 +419,9 @@ def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, retu
         zero_int = jnp.zeros((), jnp.int32)
         stats = FFNStats(zero, zero_int, zero_int, zero, zero_int, jnp.asarray(False),
                          jnp.asarray(False))
-    elif implementation == "xla":
+    elif not backend.sparse:
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
-    elif implementation == "pallas" and _sparse_never_pays(
+    elif backend.cost_model_routes and _sparse_never_pays(
             x2.shape[0], x2.shape[1], weights[0].shape[1], x.dtype, config):
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
         stats = stats._replace(dense_fallback=jnp.asarray(True))

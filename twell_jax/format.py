@@ -157,3 +157,25 @@ def pack(h: jax.Array, config: TwELLConfig | None = None) -> TwELL:
     backup_values = jnp.take(h, index, axis=0, mode="fill", fill_value=0)
     num_heavy = heavy.sum(dtype=jnp.int32)
     return TwELL(values, columns, counts, index, backup_values, num_heavy, f, config)
+
+
+def valid_entries(row_nnz: jax.Array, k: int) -> jax.Array:
+    """[M, k] bool: entry j of row m's list is one of its first ``row_nnz[m]`` (``row_nnz`` [M])."""
+    return jnp.arange(k, dtype=jnp.int32)[None, :] < row_nnz[:, None]
+
+
+def mask_lists(values: jax.Array, columns: jax.Array, row_nnz: jax.Array):
+    """Row lists with the entries past each row's count zeroed (value 0, column 0).
+
+    values, columns: [M, K]; row_nnz: [M] (at most K). Returns ``(values, columns)``."""
+    valid = valid_entries(row_nnz, values.shape[1])
+    return jnp.where(valid, values, 0), jnp.where(valid, columns, 0)
+
+
+def column_sums(values: jax.Array, columns: jax.Array, row_nnz: jax.Array, d_ff: int) -> jax.Array:
+    """[d_ff] float32: each column's sum of the list entries ``values`` [M, K] (first
+    ``row_nnz[m]`` of row m) that sit in it."""
+    valid = valid_entries(row_nnz, columns.shape[1])
+    dest = jnp.where(valid, columns, d_ff)  # d_ff = dropped
+    return jnp.zeros((d_ff,), jnp.float32).at[dest].add(jnp.where(valid, values, 0.0),
+                                                         mode="drop")

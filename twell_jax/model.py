@@ -47,9 +47,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from twell_jax import nn, safetensors_io, sharding
+from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
-from twell_jax.ffn import IMPLEMENTATIONS, RESIDUALS_NAME, FFNStats
+from twell_jax.backends import Implementation
+from twell_jax.ffn import RESIDUALS_NAME, FFNStats
 
 _F32 = jnp.float32
 
@@ -105,7 +106,7 @@ class ModelConfig:
     n_heads: int
     max_seq_len: int
     rope_theta: float = 10_000.0
-    implementation: str = "xla"
+    implementation: Implementation = "xla"
     twell: TwELLConfig | None = None
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
@@ -128,9 +129,7 @@ class ModelConfig:
                              "(rotary embeddings rotate pairs of features)")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
-        if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, "
-                             f"got {self.implementation!r}")
+        backends.check(self.implementation)
         if self.twell is not None and not isinstance(self.twell, TwELLConfig):
             raise TypeError(f"twell must be a TwELLConfig or None, got {type(self.twell).__name__}")
         for name in ("dtype", "param_dtype"):
@@ -571,7 +570,7 @@ def gate_preactivations(model: Transformer, tokens: jax.Array) -> list[jax.Array
     """Each layer's gate pre-activation ``x @ w_gate (+ b_gate)`` [B * T, F] float32 on its
     captured FFN input, computed as the layer does (compute dtype, float32 accumulation)."""
     _, captured = nnx.capture(model, FFNInput)(tokens)
-    inputs = [leaf for leaf in jax.tree.leaves(captured)]
+    inputs = jax.tree.leaves(captured)
     cfg = model.cfg
     if len(inputs) != cfg.n_layers:
         raise ValueError(f"captured {len(inputs)} FFN inputs for {cfg.n_layers} layers")
@@ -585,30 +584,31 @@ def gate_preactivations(model: Transformer, tokens: jax.Array) -> list[jax.Array
     return gates
 
 
-def unit_activity(model: Transformer, tokens: jax.Array) -> jax.Array:
-    """[n_layers, d_ff] bool: FFN unit j of layer l was active (gate > 0) for some token.
+def activity_and_token_nnz(model: Transformer, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(unit_activity [n_layers, d_ff] bool, token_nnz [n_layers, B * T] int32)`` from one
+    pass: which FFN units were active (gate > 0) for some token, and each token's active units.
 
     Runs the model once, capturing each block's FFN input (sown as ``FFNInput``), and recomputes
-    the dense gate ``relu(x @ w_gate)`` in the compute dtype with float32 accumulation, as the
-    layer does. A unit inactive over a window of tokens (OR this over batches) is *dead*:
-    ``1 - activity.mean(-1)`` is the dead fraction per layer. Costs one forward pass plus one
-    gate GEMM per layer; meant for evaluation, not every training step.
+    the dense gate in the compute dtype with float32 accumulation, as the layer does
+    (``gate_preactivations``). Costs one forward pass plus one gate GEMM per layer; meant for
+    evaluation, not every training step.
     """
-    return jnp.stack([jnp.any(g > 0, axis=0) for g in gate_preactivations(model, tokens)])
+    active = [g > 0 for g in gate_preactivations(model, tokens)]
+    return (jnp.stack([jnp.any(a, axis=0) for a in active]),
+            jnp.stack([jnp.sum(a, axis=1, dtype=jnp.int32) for a in active]))
+
+
+def unit_activity(model: Transformer, tokens: jax.Array) -> jax.Array:
+    """[n_layers, d_ff] bool: FFN unit j of layer l was active (gate > 0) for some token. A unit
+    inactive over a window of tokens (OR this over batches) is *dead*: ``1 -
+    activity.mean(-1)`` is the dead fraction per layer. As ``activity_and_token_nnz``."""
+    return activity_and_token_nnz(model, tokens)[0]
 
 
 def token_nnz(model: Transformer, tokens: jax.Array) -> jax.Array:
     """[n_layers, B * T] int32: active FFN units of each token in each layer (the per-token
-    distribution behind ``FFNStats``' mean / p99 / max). Same cost as ``unit_activity``."""
-    gates = gate_preactivations(model, tokens)
-    return jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in gates])
-
-
-def activity_and_token_nnz(model: Transformer, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(unit_activity, token_nnz)`` from one pass (one gate GEMM per layer)."""
-    gates = gate_preactivations(model, tokens)
-    return (jnp.stack([jnp.any(g > 0, axis=0) for g in gates]),
-            jnp.stack([jnp.sum(g > 0, axis=1, dtype=jnp.int32) for g in gates]))
+    distribution behind ``FFNStats``' mean / p99 / max). As ``activity_and_token_nnz``."""
+    return activity_and_token_nnz(model, tokens)[1]
 
 
 # ------------------------------------------------------------------------------------------

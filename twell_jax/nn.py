@@ -41,9 +41,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from twell_jax import sharding
+from twell_jax import backends, sharding
 from twell_jax.config import TwELLConfig
-from twell_jax.ffn import IMPLEMENTATIONS, FFNStats, Implementation, gated_mlp, mlp
+from twell_jax.backends import Implementation
+from twell_jax.ffn import FFNStats, gated_mlp, mlp
 
 def sow_if_captured(module: nnx.Module, variable_type, name: str, value) -> None:
     """``module.sow(...)`` inside ``nnx.capture`` and a no-op outside it, on every flax 0.12.x.
@@ -93,9 +94,7 @@ class _FFNBase(nnx.Module):
                  config: TwELLConfig | None, dtype, param_dtype):
         self.d_model = _check_size("d_model", d_model)
         self.d_ff = _check_size("d_ff", d_ff)
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        backends.check(implementation)
         if config is not None and not isinstance(config, TwELLConfig):
             raise TypeError(f"config must be a TwELLConfig or None, got {type(config).__name__}")
         self.implementation = implementation

@@ -22,7 +22,7 @@ from pallas_kernels.row_backward import row_backward
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
 from pallas_kernels.sparse_outer import sparse_outer
-from twell_jax.backends.base import Backend
+from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
 from twell_jax.dense import gate_pre_activation
 
@@ -55,24 +55,25 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
                               None if bias is None else _pad(bias, (f_pad,)))
     values, columns, counts, row_total = row_pack(
         pre, tile_width=config.tile_width, num_slots=config.max_row_nnz(f))
-    return values, columns, counts, row_total, pre[:, :f]
+    return RowLists(values, columns, row_total), counts, pre[:, :f]
 
 
-def _row_up_down(x, w_up_t, w_down, values, columns, row_nnz):
+def _row_up_down(x, w_up_t, w_down, gate: RowLists):
     f, d = w_down.shape
     d_pad = _round_up(d, _D_MULTIPLE)
     if x is not None:
         x, w_up_t = _pad(x, (x.shape[0], d_pad)), _pad(w_up_t, (f, d_pad))
-    y, up = row_up_down(x, w_up_t, _pad(w_down, (f, d_pad)), values, columns, row_nnz)
+    y, up = row_up_down(x, w_up_t, _pad(w_down, (f, d_pad)), *gate)
     return y[:, :d], up
 
 
-def _row_backward(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns, row_nnz, l1):
+def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
     f, d = w_down.shape
     d_pad = _round_up(d, _D_MULTIPLE)
     pad_w = lambda w: None if w is None else _pad(w, (f, d_pad))
     dx, d1, d2 = row_backward(_pad(dy, (dy.shape[0], d_pad)), pad_w(w_down), pad_w(w_up_t),
-                              pad_w(w_gate_t), gate_values, up_values, columns, row_nnz, l1)
+                              pad_w(w_gate_t), gate.values, up_values, gate.columns,
+                              gate.row_nnz, l1)
     return dx[:, :d], d1, d2
 
 
@@ -82,9 +83,6 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff):
     return tuple(o[:, :d] for o in out)
 
 
-BACKEND = Backend(
-    pack=_pack,
-    up_down=_row_up_down,
-    row_backward=_row_backward,
-    sparse_outer=_sparse_outer,
-)
+# The cost model may route to dense: the kernels' rates are what it measures.
+BACKEND = Backend(sparse=True, cost_model_routes=True, pack=_pack, up_down=_row_up_down,
+                  row_backward=_row_backward, sparse_outer=_sparse_outer)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.row_up_down import row_up_down_reference
 from pallas_kernels.sparse_outer import sparse_outer_reference
-from twell_jax.backends.base import Backend
+from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
 from twell_jax.format import pack_tiles, row_compact
 
@@ -64,10 +64,11 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
     values, columns, counts = pack_tiles(gate, config.tile_width, config.slots_per_tile)
     values, columns, _ = row_compact(values.astype(x.dtype), columns, counts,
                                      config.slots_per_tile)
-    return values, columns, counts, counts.sum(axis=1, dtype=jnp.int32), None
+    return RowLists(values, columns, counts.sum(axis=1, dtype=jnp.int32)), counts, None
 
 
-def _up_down(x, w_up_t, w_down, gate_values, columns, row_nnz):
+def _up_down(x, w_up_t, w_down, gate: RowLists):
+    gate_values, columns, row_nnz = gate
     if x is None:
         y = sparse_dot(gate_values, columns, row_nnz, w_down)
         return y.astype(w_down.dtype), None
@@ -77,9 +78,9 @@ def _up_down(x, w_up_t, w_down, gate_values, columns, row_nnz):
     return y.astype(x.dtype), up_values
 
 
-def _row_backward(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
-                            row_nnz, l1):
+def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
     """The backward's per-row products composed from the generic list products."""
+    gate_values, columns, row_nnz = gate
     g = gate_values.astype(jnp.float32)
     h = g if up_values is None else g * up_values
     dh = sampled_dot(dy, w_down, columns, row_nnz)
@@ -92,9 +93,5 @@ def _row_backward(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
     return dx, du, dg
 
 
-BACKEND = Backend(
-    pack=_pack,
-    up_down=_up_down,
-    row_backward=_row_backward,
-    sparse_outer=sparse_outer,
-)
+BACKEND = Backend(sparse=True, pack=_pack, up_down=_up_down, row_backward=_row_backward,
+                  sparse_outer=sparse_outer)

@@ -1,0 +1,150 @@
+"""The toolkit the experiment scripts share: dataclass flags, the run header, the timer summary
+and the main/worker dispatch of the benchmarks that run one subprocess per measurement.
+
+Scripts import it as ``common`` with this folder on ``sys.path`` (each script puts it there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+
+def flag(default, help: str, **kwargs) -> dataclasses.Field:
+    """A dataclass field that ``flag_parser`` turns into ``--field-name`` (kwargs such as
+    ``choices`` go to ``add_argument``)."""
+    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+
+
+def flag_parser(config_cls, description: str, *,
+                underscore_aliases: bool = False) -> argparse.ArgumentParser:
+    """A parser with one flag per field of a dataclass of defaults (fields made by ``flag``):
+    ``--field-name``, typed by the default; bools get ``--x / --no-x``; tuples take one or more
+    values (parsed back as lists). ``underscore_aliases`` also accepts ``--field_name``."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for field in dataclasses.fields(config_cls):
+        flags = ["--" + field.name.replace("_", "-")]
+        if underscore_aliases and "_" in field.name:
+            flags.append("--" + field.name)
+        kwargs = dict(field.metadata, dest=field.name, default=field.default)
+        if isinstance(field.default, bool):
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
+        elif isinstance(field.default, tuple):
+            parser.add_argument(*flags, nargs="+", **{**kwargs, "default": list(field.default)})
+        else:
+            parser.add_argument(*flags, type=type(field.default), **kwargs)
+    return parser
+
+
+def commit() -> str:
+    """TWELL_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git),
+    else git's HEAD."""
+    if os.environ.get("TWELL_COMMIT"):
+        return os.environ["TWELL_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("TWELL_COMMIT", "unknown")
+
+
+def header(command: str, **fields) -> dict:
+    """The first JSON-lines row of a run: date, device, jax version, commit, command line,
+    then ``fields`` (a script's config, ...)."""
+    return {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "commit": commit(), "command": command, **fields}
+
+
+def summarize_ms(samples: Sequence[float]) -> dict:
+    """Median and spread (10th, 90th percentile) of timings in ms."""
+    samples = np.asarray(samples)
+    return {"median_ms": float(np.median(samples)), "p10_ms": float(np.percentile(samples, 10)),
+            "p90_ms": float(np.percentile(samples, 90))}
+
+
+# ------------------------------------------------------------------------------------------
+# One subprocess per measurement: the driver runs ``script --worker SPEC`` and collects the
+# lines it prints as ``RESULT {json}``.
+
+
+def parse_driver_args(config_cls, description: str, argv: Sequence[str] | None):
+    """``flag_parser``'s flags plus the internal ``--worker SPEC``: returns ``(config, worker
+    spec or None, parser)`` (the parser for the script's own checks and errors)."""
+    parser = flag_parser(config_cls, description)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
+    args = vars(parser.parse_args(argv))
+    worker = args.pop("worker")
+    return config_cls(**args), worker, parser
+
+
+def main_or_worker(argv: Sequence[str] | None, parse_args: Callable,
+                   tasks: dict[str, Callable], drive: Callable) -> list[dict]:
+    """A driver script's main: with ``--worker SPEC`` runs that task (``run_task``) and returns
+    []; else ``drive(cfg, argv)``. ``parse_args(argv)`` -> ``(cfg, worker spec or None)``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg, worker = parse_args(argv)
+    if worker is not None:
+        run_task(worker, cfg, tasks)
+        return []
+    return drive(cfg, argv)
+
+
+def run_task(worker: str, cfg, tasks: dict[str, Callable]) -> None:
+    """Inside a worker: runs ``tasks[spec["task"]](spec, cfg, emit)`` for the JSON ``worker``
+    spec, ``emit`` printing each result row for the driver."""
+    spec = json.loads(worker)
+    emit = lambda row: print("RESULT " + json.dumps(row), flush=True)
+    tasks[spec["task"]](spec, cfg, emit)
+
+
+def run_worker(script: str, spec: dict, argv: Sequence[str], log) -> list[dict]:
+    """Runs one worker subprocess of ``script``; returns its result rows (an error row if it
+    failed). Result rows and calibration lines are logged as they arrive."""
+    cmd = [sys.executable, os.path.abspath(script), *argv, "--worker", json.dumps(spec)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rows, tail = [], []
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            rows.append(json.loads(line[len("RESULT "):]))
+            log(json.dumps(rows[-1]))
+        else:
+            tail = (tail + [line.rstrip()])[-20:]
+            if line.startswith("  calibrated"):
+                log(line.rstrip())
+    if proc.wait() != 0:
+        rows.append({"kind": "error", **spec, "returncode": proc.returncode,
+                     "output_tail": "\n".join(tail)})
+        log(f"worker failed ({proc.returncode}):\n" + "\n".join(tail))
+    what = [spec["task"], spec["preset"], spec.get("implementation", ""), spec.get("label", "")]
+    log(f"[{time.perf_counter() - t0:.0f} s] " + " ".join(filter(None, what)))
+    return rows
+
+
+def run_specs(script: str, specs: list[dict], argv: Sequence[str], out, run_commit: str,
+              log) -> list[dict]:
+    """Runs the workers of ``specs`` in order, appending their rows (stamped with the run's
+    commit) to the open JSON-lines file ``out``; stops after a failed calibration (the
+    measurements need its biases). Returns the rows."""
+    rows = []
+    for spec in specs:
+        new = run_worker(script, spec, argv, log)
+        for row in new:
+            out.write(json.dumps({**row, "commit": run_commit}) + "\n")
+        out.flush()
+        rows += new
+        if spec["task"] == "calibrate" and any(r["kind"] == "error" for r in new):
+            break
+    return rows
