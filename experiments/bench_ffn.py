@@ -19,6 +19,8 @@ of rows, heavy rows included) before timing, then times the jitted forwards: med
 dense ``"xla"`` path it times three plain bf16 ``nnx.Linear`` layers (a user's dense FFN), and
 the stages alone (XLA's gate GEMM, ``row_pack``, ``row_up_down``) with bytes and rates, so a
 missed target can be traced to a stage (knob sweeps: ``experiments/bench_stages.py``).
+Decode sizes (M <= ``decode_rows``, forward only) are timed per call inside an on-device loop
+over 4 layers' weights (``decode_loop``): one call from Python would time the host's dispatch.
 Sparsity statistics per case: mean / p99 / max active units per token, fraction of (row, tile)
 pairs over S, heavy rows. One JSON line per measurement goes to ``--out``; a table is printed last.
 """
@@ -45,6 +47,7 @@ from common import flag  # noqa: E402
 import twell_jax as tj  # noqa: E402
 from pallas_kernels.row_pack import row_pack  # noqa: E402
 from pallas_kernels.row_up_down import row_up_down  # noqa: E402
+from pallas_kernels.scan_up_down import scan_up_down  # noqa: E402
 from twell_jax.format import heavy_rows, mask_lists  # noqa: E402
 
 
@@ -86,6 +89,9 @@ CASES = {
         Case("decode_m1", 1, 2048, 5632, "uniform", 28.0),
         Case("decode_m8", 8, 2048, 5632, "uniform", 28.0),
         Case("decode_m64", 64, 2048, 5632, "uniform", 28.0),
+        Case("decode_m8_heavy", 8, 2048, 5632, "heavy_tailed", 60.0, 580.0),
+        Case("decode_m64_heavy", 64, 2048, 5632, "heavy_tailed", 60.0, 580.0),
+        Case("decode_m1_half_dense", 1, 2048, 5632, "uniform", 2816.0),
     ]
 }
 SUITES = {
@@ -93,6 +99,8 @@ SUITES = {
     "paper": ["m16k_uniform28", "m16k_heavy", "m16k_uniform2pct", "decode_m1", "decode_m8",
               "decode_m64", "wide_m16k_uniform28", "m128k_uniform28"],
     "training": ["m16k_uniform28", "m16k_heavy"],
+    "decode": ["decode_m1", "decode_m8", "decode_m64", "decode_m8_heavy", "decode_m64_heavy",
+               "decode_m1_half_dense"],
 }
 
 
@@ -214,7 +222,71 @@ def _check_rows(m: int, heavy_mask: np.ndarray, n: int, rng) -> np.ndarray:
     return np.unique(np.concatenate([heavy, rest]))
 
 
+DECODE_LAYERS, DECODE_STEPS = 4, 100
+
+
+def decode_loop(fn: Callable) -> Callable:
+    """Jitted: DECODE_STEPS steps, each calling ``fn(x, *weights)`` on DECODE_LAYERS weight
+    sets in turn (like a model's layers: ~4 x 69 MB, so no layer's weights stay in the 50 MB L2
+    between its calls). Each call's x is the original x plus 0 * the running sum of outputs
+    (not folded for floats), so no call is hoisted or dropped. At decode sizes timing calls
+    one by one from Python measures the host's dispatch (~40 us), not the GPU."""
+    def run(x, layers):
+        def step(_, acc):
+            for weights in layers:
+                xi = (x.astype(jnp.float32) + 0.0 * acc).astype(x.dtype)
+                acc = acc + fn(xi, *weights).astype(jnp.float32)
+            return acc
+        return jax.lax.fori_loop(0, DECODE_STEPS, step, jnp.zeros(x.shape, jnp.float32))
+    return jax.jit(run)
+
+
+def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
+                    emit: Callable) -> list[dict]:
+    """M <= 64: every variant timed per call inside an on-device loop over 4 layers' weights
+    (``decode_loop``); "loop overhead" is the same loop with an identity FFN."""
+    x, w_gate, w_up, w_down = make_case_inputs(case)
+    stats, _ = sparsity_stats(x, w_gate, config)
+    emit({"case": case.name, "kind": "sparsity", **stats})
+    layers = [make_case_inputs(case, seed=seed)[1:] for seed in range(DECODE_LAYERS)]
+    layers_t = [(g, u.T, d) for g, u, d in layers]  # w_up stored [F, D], as the kernel reads
+    rows = np.arange(case.m)
+    results = []
+
+    def measure(label, fn, weight_sets, check=True):
+        row = {"case": case.name, "kind": "time", "label": label,
+               "timed": f"per call, on-device loop of {DECODE_STEPS} x {DECODE_LAYERS} layers"}
+        try:
+            if check:
+                row["rel_err"] = rel_error_float64(fn(x, *weight_sets[0]), x, w_gate, w_up,
+                                                   w_down, rows)
+            t = time_ms(decode_loop(fn), x, weight_sets, runs=args.runs, min_batch_ms=1.0)
+            calls = DECODE_STEPS * DECODE_LAYERS
+            row.update({k: (v / calls if k.endswith("_ms") else v) for k, v in t.items()})
+        except Exception as e:  # a failing variant is reported, never hidden
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        emit(row)
+        results.append(row)
+        return row
+
+    op = lambda impl: (lambda x, *w: tj.gated_mlp(x, *w, implementation=impl, config=config))
+    base = measure("xla dense FFN", op("xla"), layers)
+    measure("pallas TwELL FFN", op("pallas"), layers)
+    measure("flax: three bf16 nnx.Linear layers", flax_dense_mlp, layers)
+    measure("stage: xla gate GEMM (x @ w_gate, bf16 out)",
+            lambda x, g, u, d: jnp.dot(x, g)[:, :x.shape[1]], layers, check=False)
+    measure("stage: gate GEMM + scan_up_down (w_up stored [F, D])",
+            lambda x, g, ut, d: scan_up_down(jnp.dot(x, g), x, ut, d)[0], layers_t)
+    measure("loop overhead (identity FFN)", lambda x, *w: x, layers, check=False)
+    for row in results:
+        if "median_ms" in row and "median_ms" in base:
+            row["speedup_vs_xla"] = base["median_ms"] / row["median_ms"]
+    return results
+
+
 def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable) -> list[dict]:
+    if case.m <= config.decode_rows and not args.backward:
+        return run_decode_case(case, args, config, emit)
     x, w_gate, w_up, w_down = make_case_inputs(case)
     stats, heavy_mask = sparsity_stats(x, w_gate, config)
     emit({"case": case.name, "kind": "sparsity", **stats})

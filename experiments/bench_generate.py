@@ -48,7 +48,6 @@ ratios (decode tokens/s, time to first token, energy) is printed last.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -66,8 +65,8 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_model.py beside this file
-from bench_model import (PowerSampler, _commit, _flag, calibrate, peak_bytes,  # noqa: E402
-                         time_call)
+import common  # noqa: E402
+from bench_model import PowerSampler, calibrate, peak_bytes, time_call  # noqa: E402
 
 from twell_jax import ffn as ffn_lib  # noqa: E402
 from twell_jax import model as model_lib  # noqa: E402
@@ -78,38 +77,23 @@ IMPLEMENTATIONS = ("xla", "pallas")
 
 @dataclasses.dataclass(frozen=True)
 class GenBenchConfig:
-    presets: str = _flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
-    batches: str = _flag("1,8", "comma list of batch sizes (sequences decoded together)")
-    context: int = _flag(2048, "cache length; prompts have context - new_tokens tokens")
-    new_tokens: int = _flag(128, "tokens generated per sequence (1 from the prefill + decode)")
-    mean_nnz: float = _flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
-    runs: int = _flag(5, "timed repetitions per measurement (median reported)")
-    hbm_bytes_per_s: float = _flag(3.35e12, "memory bandwidth of the floors (H100 SXM)")
-    force_sparse: bool = _flag(False, "pallas: never switch to the dense FFN (TwELLConfig("
+    presets: str = common.flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
+    batches: str = common.flag("1,8", "comma list of batch sizes (sequences decoded together)")
+    context: int = common.flag(2048, "cache length; prompts have context - new_tokens tokens")
+    new_tokens: int = common.flag(128, "tokens generated per sequence (1 from the prefill + decode)")
+    mean_nnz: float = common.flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
+    runs: int = common.flag(5, "timed repetitions per measurement (median reported)")
+    hbm_bytes_per_s: float = common.flag(3.35e12, "memory bandwidth of the floors (H100 SXM)")
+    force_sparse: bool = common.flag(False, "pallas: never switch to the dense FFN (TwELLConfig("
                                       "dense_fallback_density=1.0)), as on a CPU")
-    subprocess: bool = _flag(True, "each case in its own process (its own peak memory)")
-    seed: int = _flag(0, "seed of the weights and the prompts")
-    out: str = _flag("runs/bench_generate.jsonl", "JSON-lines file the records are appended to")
+    subprocess: bool = common.flag(True, "each case in its own process (its own peak memory)")
+    seed: int = common.flag(0, "seed of the weights and the prompts")
+    out: str = common.flag("runs/bench_generate.jsonl", "JSON-lines file the records are appended to")
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[GenBenchConfig, str | None]:
     """(config, the internal --worker spec or None); exits with a message on a bad flag."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for field in dataclasses.fields(GenBenchConfig):
-        flag = f"--{field.name.replace('_', '-')}"
-        if field.type == "bool":
-            parser.add_argument(flag, dest=field.name, default=field.default,
-                                action=argparse.BooleanOptionalAction,
-                                help=field.metadata["help"])
-        else:
-            kind = {"int": int, "float": float}.get(field.type, str)
-            parser.add_argument(flag, dest=field.name, type=kind, default=field.default,
-                                help=field.metadata["help"])
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: JSON spec
-    args = parser.parse_args(argv)
-    worker = args.worker
-    del args.worker
-    cfg = GenBenchConfig(**vars(args))
+    cfg, worker, parser = common.parse_driver_args(GenBenchConfig, __doc__.split("\n")[0], argv)
     try:
         for name in presets_of(cfg):
             if name not in model_lib.CONFIGS:
@@ -298,26 +282,10 @@ def run_case(spec: dict, cfg: GenBenchConfig, argv: Sequence[str],
              log: Callable[[str], None]) -> list[dict]:
     """Runs one worker, in a subprocess with ``cfg.subprocess``; returns its rows (an error
     row if it failed)."""
-    t0 = time.perf_counter()
-    worker = {"calibrate": worker_calibrate, "measure": worker_measure}[spec["task"]]
+    if cfg.subprocess:
+        return common.run_worker(__file__, spec, argv, log)
     rows: list[dict] = []
-    if not cfg.subprocess:
-        worker(spec, cfg, rows.append)
-    else:
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", json.dumps(spec)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        tail: list[str] = []
-        for line in proc.stdout:
-            if line.startswith("RESULT "):
-                rows.append(json.loads(line[len("RESULT "):]))
-            else:
-                tail = (tail + [line.rstrip()])[-20:]
-        if proc.wait() != 0:
-            rows.append({"kind": "error", **spec, "returncode": proc.returncode,
-                         "output_tail": "\n".join(tail)})
-            log(f"worker failed ({proc.returncode}):\n" + "\n".join(tail))
-    log(f"[{time.perf_counter() - t0:.0f} s] {spec['task']} {spec['preset']} "
-        f"{spec.get('implementation', '')} {spec.get('batch', '')}")
+    TASKS[spec["task"]](spec, cfg, rows.append)
     return rows
 
 
@@ -334,16 +302,18 @@ def device_kind(cfg: GenBenchConfig) -> str:
         return "unknown"
 
 
+TASKS = {"calibrate": worker_calibrate, "measure": worker_measure}
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cfg, worker = parse_args(argv)
-    if worker is not None:
-        spec = json.loads(worker)
-        emit = lambda row: print("RESULT " + json.dumps(row), flush=True)
-        {"calibrate": worker_calibrate, "measure": worker_measure}[spec["task"]](spec, cfg, emit)
-        return []
+    return common.main_or_worker(argv, parse_args, TASKS, drive)
+
+
+def drive(cfg: GenBenchConfig, argv: Sequence[str]) -> list[dict]:
+    """Calibrates each preset, measures every (implementation, batch), writes the rows and the
+    ratio table."""
     header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": device_kind(cfg), "jax": jax.__version__, "commit": _commit(),
+              "device": device_kind(cfg), "jax": jax.__version__, "commit": common.commit(),
               "command": " ".join(["bench_generate.py", *argv]),
               "config": dataclasses.asdict(cfg)}
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
@@ -360,8 +330,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             for spec in specs:
                 new = run_case(spec, cfg, argv, log)
                 for row in new:
-                    shown = {k: v for k, v in row.items() if k != "tokens"}
-                    log(json.dumps(shown))
                     out.write(json.dumps({**row, "commit": header["commit"]}) + "\n")
                 out.flush()
                 rows += new

@@ -19,8 +19,11 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 M, D, F = 42, 72, 200
 # No density switch and no row cap: the sparse kernels must run on every pattern, however dense
 # (heavy rows still come from tiles over S).
+# decode_rows=0: these M-row calls take the list path (packing, backup) even when not
+# differentiated; the list-free decode path has its own tests (DECODE).
 CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=1.0,
-                        max_row_density=1.0)
+                        max_row_density=1.0, decode_rows=0)
+DECODE = dataclasses.replace(CONFIG, decode_rows=M)
 
 
 def _call(gated, x, weights, **kwargs):
@@ -46,6 +49,43 @@ def test_forward_matches_float64(implementation, dtype, pattern, gated):
         assert int(stats.heavy_rows) > 0  # the backup really ran
     if pattern == "uniform":
         assert 0 < float(stats.nnz_mean) < 0.2 * F
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+def test_decode_path_matches_float64_and_the_list_path(implementation, dtype, pattern, gated):
+    """At most ``decode_rows`` rows, not differentiated: the list-free decode path. Same result
+    (to float64) and the same statistics as the list path, heavy and dense rows included."""
+    x, *weights = make_ffn_inputs(seed_of("decode", pattern, gated), M, D, F, pattern, dtype,
+                                  gated=gated)
+    run = lambda config: jax.jit(functools.partial(
+        _call, gated, implementation=implementation, config=config, return_stats=True))(
+            x, weights)
+    y, stats = run(DECODE)
+    y_lists, stats_lists = run(CONFIG)
+    expected, l1 = ffn_float64(x, *weights)
+    assert y.dtype == dtype and y.shape == (M, D)
+    assert_close(y, expected, dtype, what=f"{implementation} decode y")
+    assert_close(stats.l1, l1, dtype, what=f"{implementation} decode l1")
+    for name in ("nnz_mean", "nnz_p99", "nnz_max", "heavy_rows"):
+        assert float(getattr(stats, name)) == float(getattr(stats_lists, name)), name
+    assert not bool(stats.backup_overflow) and not bool(stats.dense_fallback)
+    assert_close(y, y_lists.astype(jnp.float32), dtype, what="decode vs lists")
+
+
+def test_decode_path_runs_the_decode_kernel_only_when_not_differentiated():
+    """Traced jaxprs: the primal call holds ``twell_scan_up_down`` and no packing kernel; the
+    gradient holds the list kernels (the sparse backward needs the lists) and no scan."""
+    x, *weights = make_ffn_inputs(3, M, D, F, "uniform", jnp.float32)
+    primal = lambda x: tj.gated_mlp(x, *weights, implementation="pallas", config=DECODE)
+    grad = jax.grad(lambda x: jnp.sum(primal(x)))
+    primal_text, grad_text = str(jax.make_jaxpr(primal)(x)), str(jax.make_jaxpr(grad)(x))
+    assert "twell_scan_up_down" in primal_text and "twell_row_pack" not in primal_text
+    assert "twell_row_pack" in grad_text and "twell_scan_up_down" not in grad_text
+    ref_grad = jax.grad(lambda x: jnp.sum(dense_ffn_f32(x, *weights)[0]))(x)
+    assert_close(grad(x), ref_grad, jnp.float32, what="grad through the decode-sized call")
 
 
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS)
@@ -214,8 +254,11 @@ def test_cost_model_chooses_dense_only_when_cheaper(monkeypatch, m, nnz, heavy_f
     assert bool(ffn._cheaper_dense(row_nnz, heavy, x, 5632, tj.TwELLConfig())) == dense
 
 
-def test_decode_sizes_run_dense_on_gpu_but_sparse_in_interpret_mode(monkeypatch):
-    config = tj.TwELLConfig()
+def test_small_batches_run_dense_on_gpu_but_sparse_in_interpret_mode(monkeypatch):
+    """Without the decode path (decode_rows=0) a small call is dense on a GPU (the sparse path's
+    fixed cost exceeds the dense FFN) and sparse in interpret mode; with it (the default) an
+    undifferentiated small call takes the decode path, GPU or not."""
+    config = tj.TwELLConfig(decode_rows=0)
     assert not ffn._sparse_never_pays(8, 2048, 5632, jnp.bfloat16, config)  # interpret mode
     monkeypatch.setattr(ffn, "default_interpret", lambda: False)
     assert ffn._sparse_never_pays(8, 2048, 5632, jnp.bfloat16, config)
@@ -223,8 +266,14 @@ def test_decode_sizes_run_dense_on_gpu_but_sparse_in_interpret_mode(monkeypatch)
     fixed = dataclasses.replace(config, dense_fallback_density=1.0)
     assert not ffn._sparse_never_pays(8, 2048, 5632, jnp.bfloat16, fixed)
     x, *weights = make_ffn_inputs(6, 8, D, F, "uniform", jnp.float32)
-    y, stats = tj.gated_mlp(x, *weights, implementation="pallas", return_stats=True)
+    y, stats = tj.gated_mlp(x, *weights, implementation="pallas", config=config,
+                            return_stats=True)
     assert bool(stats.dense_fallback)
+    assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
+    primal = lambda x: tj.gated_mlp(x, *weights, implementation="pallas")
+    assert "twell_scan_up_down" in str(jax.make_jaxpr(primal)(x))
+    y, stats = tj.gated_mlp(x, *weights, implementation="pallas", return_stats=True)
+    assert not bool(stats.dense_fallback)
     assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
 
 

@@ -78,8 +78,13 @@ class TwELLConfig:
         sparse path's fixed cost exceeds the dense FFN (decode sizes on the H100). The cost
         model applies only to compiled kernels: in interpret mode (no GPU) the sparse path
         always runs. A float: dense when the mean fraction of active units exceeds it
-        (``1.0``: never dense, ``0.0``: always).
+        (``1.0``: never dense, ``0.0``: always). The decode path (``decode_rows``) is never
+        routed to dense.
       cost_model: the measured device rates behind the ``None`` decision.
+      decode_rows: calls of at most this many token rows that are not differentiated (decode
+        steps, small batches) run the backend's list-free decode path when it has one
+        (``"pallas"``: the gate GEMM, then one ``scan_up_down`` kernel that walks each row's
+        active units; no packing, no backup, no device-side routing). 0 disables it.
     """
 
     tile_width: int = 128
@@ -88,6 +93,7 @@ class TwELLConfig:
     max_row_density: float = 1 / 64
     dense_fallback_density: float | None = None
     cost_model: CostModel = dataclasses.field(default_factory=lambda: CostModel())
+    decode_rows: int = 64
 
     def __post_init__(self):
         if not is_power_of_two(self.tile_width) or self.tile_width < 16:
@@ -101,6 +107,8 @@ class TwELLConfig:
             not isinstance(self.backup_rows, int) or self.backup_rows < 0
         ):
             raise ValueError(f"backup_rows must be None or an int >= 0, got {self.backup_rows!r}")
+        if not isinstance(self.decode_rows, int) or self.decode_rows < 0:
+            raise ValueError(f"decode_rows must be an int >= 0, got {self.decode_rows!r}")
         if not 0.0 < self.max_row_density <= 1.0:
             raise ValueError(f"max_row_density must be in (0, 1], got {self.max_row_density!r}")
         if self.dense_fallback_density is not None and not (

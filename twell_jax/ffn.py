@@ -18,6 +18,10 @@ The implementations are the backends of ``twell_jax.backends``, looked up by nam
   GEMM in XLA, then one program per token row for the packing, the up/down projections and
   the backward's per-row products.
 
+Calls of at most ``TwELLConfig.decode_rows`` token rows that are not differentiated (decode
+steps) skip the lists: the backend's ``decode`` runs the gate GEMM and one kernel that walks each
+row's active units (``pallas_kernels.scan_up_down``), exact for every row whatever its count.
+
 The L1 statistic (``stats.l1``) is differentiable on every path: its gradient is folded into
 the sparse backward, so ``loss + coeff * stats.l1`` trains the L1 penalty at no dense cost.
 """
@@ -92,14 +96,16 @@ def _dense_from_pre(x, pre, weights, gated):
     return jnp.dot(h, weights[-1]), jnp.sum(jnp.abs(h.astype(_F32)), axis=1)
 
 
-def _dense_with_stats(x, weights, bias, gated, config):
-    y, l1_rows, active = _dense_rows(x, weights, bias, gated)
+def _stats_from_active(active: jax.Array, l1_rows: jax.Array, config: TwELLConfig) -> FFNStats:
+    """Statistics of a call that computed every row without lists (dense, or the decode path):
+    ``active`` [M, F] bool, ``l1_rows`` [M] float32. ``heavy_rows`` counts the rows the format
+    would send to the dense backup."""
     f = active.shape[1]
     n_tiles = config.num_tiles(f)
     padded = jnp.pad(active, ((0, 0), (0, n_tiles * config.tile_width - f)))
     counts = padded.reshape(active.shape[0], n_tiles, config.tile_width).sum(-1, dtype=jnp.int32)
     nnz = active.sum(axis=1, dtype=jnp.int32)
-    stats = FFNStats(
+    return FFNStats(
         nnz_mean=jnp.mean(nnz.astype(_F32)),
         nnz_p99=_p99(nnz),
         nnz_max=jnp.max(nnz),
@@ -108,7 +114,11 @@ def _dense_with_stats(x, weights, bias, gated, config):
         backup_overflow=jnp.asarray(False),
         dense_fallback=jnp.asarray(False),
     )
-    return y, stats
+
+
+def _dense_with_stats(x, weights, bias, gated, config):
+    y, l1_rows, active = _dense_rows(x, weights, bias, gated)
+    return y, _stats_from_active(active, l1_rows, config)
 
 
 # ----------------------------------------------------------------------------------------
@@ -170,7 +180,8 @@ def _cheaper_dense(row_nnz_all: jax.Array, heavy: jax.Array, x: jax.Array, f: in
 def _sparse_never_pays(m: int, d: int, f: int, dtype, config: TwELLConfig) -> bool:
     """Static (shape-only) check: even with no active unit, the sparse path's fixed cost
     (extra launches, the packing pass, device-side decisions) exceeds the whole dense FFN.
-    True at decode sizes on the H100; such calls run the dense function directly."""
+    True at small M on the H100; such calls run the dense function directly (those of at most
+    ``config.decode_rows`` rows run the list-free decode path instead when not differentiated)."""
     if not _cost_model_decides(config):
         return False
     cost = config.cost_model
@@ -359,8 +370,24 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
             None if bias is None else d_bias.astype(bias.dtype))
 
 
+def _decode_forward(backend: Backend, x, weights, bias, gated, config):
+    """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup."""
+    w_up_t = weights[1].T if gated else None  # loop-invariant in a decode loop: XLA hoists it
+    y, l1_rows, active = backend.decode(x, weights[0], bias, w_up_t, weights[-1])
+    return y, _stats_from_active(active, l1_rows, config)
+
+
+def _uses_decode(backend: Backend, m: int, config: TwELLConfig) -> bool:
+    return backend.decode is not None and m <= config.decode_rows
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _twell_ffn(x, weights, bias, gated, implementation, config):
+    # Not differentiated (the primal): few rows take the list-free decode path. Differentiated
+    # calls run ``_twell_forward``, whose lists the sparse backward needs.
+    backend = backends.get(implementation)
+    if _uses_decode(backend, x.shape[0], config):
+        return _decode_forward(backend, x, weights, bias, gated, config)
     return _twell_forward(x, weights, bias, gated, implementation, config)[0]
 
 
@@ -421,8 +448,9 @@ def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, retu
                          jnp.asarray(False))
     elif not backend.sparse:
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
-    elif backend.cost_model_routes and _sparse_never_pays(
-            x2.shape[0], x2.shape[1], weights[0].shape[1], x.dtype, config):
+    elif (backend.cost_model_routes and not _uses_decode(backend, x2.shape[0], config)
+          and _sparse_never_pays(x2.shape[0], x2.shape[1], weights[0].shape[1], x.dtype,
+                                 config)):
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
         stats = stats._replace(dense_fallback=jnp.asarray(True))
     else:

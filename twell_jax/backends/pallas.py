@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from pallas_kernels.row_backward import row_backward
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
+from pallas_kernels.scan_up_down import scan_up_down
 from pallas_kernels.sparse_outer import sparse_outer
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
@@ -83,6 +84,19 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff):
     return tuple(o[:, :d] for o in out)
 
 
+def _decode(x, w_in, bias, w_up_t, w_down):
+    f, d = w_down.shape
+    pre = gate_pre_activation(x, w_in, bias)
+    active = jnp.logical_not(pre <= 0)  # > 0 or NaN
+    d_pad = _round_up(d, _D_MULTIPLE)
+    if w_up_t is not None:
+        x, w_up_t = _pad(x, (x.shape[0], d_pad)), _pad(w_up_t, (f, d_pad))
+        y, l1 = scan_up_down(pre, x, w_up_t, _pad(w_down, (f, d_pad)))
+    else:
+        y, l1 = scan_up_down(pre, None, None, _pad(w_down, (f, d_pad)), out_dtype=x.dtype)
+    return y[:, :d], l1, active
+
+
 # The cost model may route to dense: the kernels' rates are what it measures.
 BACKEND = Backend(sparse=True, cost_model_routes=True, pack=_pack, up_down=_row_up_down,
-                  row_backward=_row_backward, sparse_outer=_sparse_outer)
+                  row_backward=_row_backward, sparse_outer=_sparse_outer, decode=_decode)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.row_up_down import row_up_down_reference
+from pallas_kernels.scan_up_down import scan_up_down_reference
 from pallas_kernels.sparse_outer import sparse_outer_reference
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
@@ -93,5 +94,17 @@ def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
     return dx, du, dg
 
 
+def _decode(x, w_in, bias, w_up_t, w_down):
+    """The decode path in float32: the gate as ``_pack`` computes it, then the active units'
+    products (inactive units' hidden values exactly zero)."""
+    pre = jnp.dot(x, w_in, preferred_element_type=jnp.float32)
+    if bias is not None:
+        pre = pre + bias.astype(jnp.float32)
+    active = jnp.logical_not(pre <= 0)  # > 0 or NaN
+    y, l1 = scan_up_down_reference(pre, None if w_up_t is None else x, w_up_t, w_down,
+                                   out_dtype=x.dtype)
+    return y, l1, active
+
+
 BACKEND = Backend(sparse=True, pack=_pack, up_down=_up_down, row_backward=_row_backward,
-                  sparse_outer=sparse_outer)
+                  sparse_outer=sparse_outer, decode=_decode)
