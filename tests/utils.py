@@ -51,9 +51,11 @@ def rel_err(actual, expected) -> float:
     return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
 
 
-def assert_close(actual, expected, dtype=None, *, kind="ffn", tol=None, what=""):
-    """Fails on NaN/Inf, on an all-zero reference and on a relative error above the tolerance:
-    ``tol`` when given, else ``TOLERANCES[kind][dtype]``."""
+def assert_close(actual, expected, dtype=None, *, kind="ffn", tol=None, what="",
+                 zero_reference_ok=False):
+    """Fails on NaN/Inf and on a relative error above the tolerance: ``tol`` when given, else
+    ``TOLERANCES[kind][dtype]``. An all-zero reference fails too (the test would prove
+    nothing) unless ``zero_reference_ok``: then ``actual`` must be zero as well."""
     tol = TOLERANCES[kind][jnp.dtype(dtype)] if tol is None else tol
     actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
     expected = np.asarray(expected, np.float64)
@@ -64,7 +66,8 @@ def assert_close(actual, expected, dtype=None, *, kind="ffn", tol=None, what="")
     norm = np.linalg.norm(expected)
     rel = np.linalg.norm(diff) / max(norm, 1e-30)
     max_abs = np.max(np.abs(diff)) if diff.size else 0.0
-    assert norm > 0, f"{what}: reference is all zeros; the test would prove nothing"
+    assert norm > 0 or zero_reference_ok, (
+        f"{what}: reference is all zeros; the test would prove nothing")
     assert rel <= tol, (
         f"{what}: relative error {rel:.3e} > {tol:.1e} ({kind}, {dtype}); "
         f"max abs error {max_abs:.3e}"
