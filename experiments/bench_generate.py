@@ -33,11 +33,12 @@ and a KV cache of ``context`` positions (bf16, the compute dtype):
   B * nnz of them at most per layer), for comparison.
 - peak device memory (``memory_stats``; each case runs in its own process), energy per
   generated token (NVML board power during the timed decode calls; null without NVML),
-  active FFN units per token during decode (the loop's own statistics), whether the "pallas"
-  FFN compiles its sparse path for the decode step and for the prefill (its cost model runs
-  small calls dense outright on a GPU unless ``--force-sparse``: decode batches, and a
-  prefill of ~2k tokens; a sparse path may still switch to dense GEMMs at run time), and the
-  generated tokens (greedy, no stop token).
+  active FFN units per token during decode (the loop's own statistics), the path the "pallas"
+  FFN takes for the decode step and for the prefill (``ffn.path_for``: "decode", the list-free
+  decode kernel, for steps of at most ``TwELLConfig.decode_rows`` rows; "dense" where its cost
+  model runs a small call dense outright on a GPU, e.g. a prefill of ~2k tokens, unless
+  ``--force-sparse``; "lists" otherwise, which may still switch to dense GEMMs at run time), and
+  the generated tokens (greedy, no stop token).
 
 ``experiments/decode_hlo.py`` lists the weight-sized transposes and casts inside the compiled
 decode loop.
@@ -236,11 +237,12 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
     sparse_bytes = (weight_bytes - weights["ffn_up_down"]
                     + mcfg.n_layers * 2 * mcfg.d_model * active_rows * itemsize)
     floor_s = (weight_bytes + kv_bytes) / cfg.hbm_bytes_per_s
-    def sparse_path(tokens: int) -> bool:
-        # The FFN's static (shape-only) switch: False when "pallas" runs the dense function
-        # outright at this many tokens per call (its cost model, on a GPU).
-        return not ffn_lib._sparse_never_pays(tokens, mcfg.d_model, mcfg.d_ff, mcfg.dtype,
-                                              mcfg.twell or TwELLConfig())
+    def path(tokens: int) -> str:
+        # The path "pallas" takes at this many tokens per call (ffn.path_for): "decode" (the
+        # list-free decode kernel), "lists" or "dense".
+        return ffn_lib.path_for("pallas", tokens, mcfg.d_model, mcfg.d_ff, mcfg.dtype,
+                                mcfg.twell or TwELLConfig())
+
     row = {
         "kind": "generate", "preset": preset, "implementation": impl, "batch": batch,
         "device": str(jax.devices()[0].device_kind), "context": cfg.context,
@@ -260,8 +262,8 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
         "weight_floor_ms": weight_bytes / cfg.hbm_bytes_per_s * 1e3,
         "kv_floor_ms": kv_bytes / cfg.hbm_bytes_per_s * 1e3,
         "step_over_floor": step_s / floor_s, "hbm_bytes_per_s": cfg.hbm_bytes_per_s,
-        "pallas_sparse_path": sparse_path(batch) if impl == "pallas" else None,
-        "pallas_sparse_path_prefill": (sparse_path(batch * int(prompts.shape[1]))
+        "pallas_path": path(batch) if impl == "pallas" else None,
+        "pallas_path_prefill": (path(batch * int(prompts.shape[1]))
                                        if impl == "pallas" else None),
         "nnz_decode_mean": float(nnz.mean()), "nnz_decode_by_layer": nnz.mean(0).tolist(),
         "peak_bytes": peak_bytes(),
@@ -369,7 +371,7 @@ def ratio_table(rows: list[dict]) -> list[dict]:
             "mj_per_token": [xla["mj_per_token"], pallas["mj_per_token"]],
             "energy_ratio": ratio("mj_per_token"),
             "peak_bytes_ratio": ratio("peak_bytes"),
-            "pallas_sparse_path": pallas["pallas_sparse_path"], "tokens_agree": agree,
+            "pallas_path": pallas["pallas_path"], "tokens_agree": agree,
         })
     return table
 
@@ -379,13 +381,13 @@ def print_table(table: list[dict]) -> None:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
     print(f"\n{'preset':<7} {'B':>3} {'decode tok/s xla':>16} {'pallas':>10} {'ratio':>6} "
           f"{'TTFT ms xla':>12} {'pallas':>10} {'ratio':>6} {'step/floor x,p':>15} "
-          f"{'mJ/tok ratio':>12} {'sparse':>6} {'agree':>6}")
+          f"{'mJ/tok ratio':>12} {'path':>6} {'agree':>6}")
     for r in table:
         (dx, dp), (tx, tp), (fx, fp) = r["decode_tokens_per_s"], r["ttft_ms"], r["step_over_floor"]
         print(f"{r['preset']:<7} {r['batch']:>3} {dx:>16,.1f} {dp:>10,.1f} "
               f"{fmt(r['decode_ratio'], '.3f'):>6} {tx:>12.2f} {tp:>10.2f} "
               f"{fmt(r['ttft_ratio'], '.3f'):>6} {f'{fx:.2f}, {fp:.2f}':>15} "
-              f"{fmt(r['energy_ratio'], '.3f'):>12} {str(r['pallas_sparse_path']):>6} "
+              f"{fmt(r['energy_ratio'], '.3f'):>12} {str(r['pallas_path']):>6} "
               f"{r['tokens_agree']:>6.2f}")
     print("ratio = pallas / xla (decode tokens/s: higher is better for pallas; TTFT, mJ: lower); "
           "step/floor = decode step time / (weight + KV bytes at the HBM rate)")

@@ -277,6 +277,23 @@ def test_small_batches_run_dense_on_gpu_but_sparse_in_interpret_mode(monkeypatch
     assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
 
 
+def test_path_for_names_the_path_a_call_takes(monkeypatch):
+    bf16 = jnp.bfloat16
+    assert ffn.path_for("xla", 8, 2048, 5632, bf16) == "dense"
+    assert ffn.path_for("pallas", 8, 2048, 5632, bf16) == "decode"
+    assert ffn.path_for("reference", 64, 2048, 5632, bf16) == "decode"
+    assert ffn.path_for("pallas", 65, 2048, 5632, bf16) == "lists"  # interpret mode
+    assert ffn.path_for("pallas", 8, 2048, 5632, bf16, differentiated=True) == "lists"
+    monkeypatch.setattr(ffn, "default_interpret", lambda: False)  # as on a GPU
+    assert ffn.path_for("pallas", 8, 2048, 5632, bf16) == "decode"
+    assert ffn.path_for("pallas", 1024, 2048, 5632, bf16) == "dense"
+    assert ffn.path_for("pallas", 16384, 2048, 5632, bf16) == "lists"
+    no_decode = tj.TwELLConfig(decode_rows=0)
+    assert ffn.path_for("pallas", 8, 2048, 5632, bf16, no_decode) == "dense"
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        ffn.path_for("cuda", 8, 2048, 5632, bf16)
+
+
 def test_nan_propagates_like_dense():
     x, *weights = make_ffn_inputs(1, M, D, F, "uniform", jnp.float32)
     x = x.at[3, 5].set(jnp.nan)

@@ -29,7 +29,7 @@ the sparse backward, so ``loss + coeff * stats.l1`` trains the L1 penalty at no 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -457,6 +457,26 @@ def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, retu
         y, stats = _twell_ffn(x2, weights, bias, gated, implementation, config)
     y = y.reshape(*lead, x.shape[-1])
     return (y, stats) if return_stats else y
+
+
+def path_for(implementation: Implementation, m: int, d_model: int, d_ff: int, dtype,
+             config: TwELLConfig | None = None, *,
+             differentiated: bool = False) -> Literal["dense", "decode", "lists"]:
+    """Which path a call of ``m`` token rows takes, from the shapes alone: ``"dense"`` (the dense
+    function), ``"decode"`` (the list-free decode path) or ``"lists"`` (the TwELL lists with the
+    dense backup, which may still switch the batch to dense on the device: ``stats.
+    dense_fallback`` says). ``differentiated``: the call is under ``jax.grad``/``vjp``."""
+    backends.check(implementation)
+    backend = backends.get(implementation)
+    config = DEFAULT_CONFIG if config is None else config
+    if not backend.sparse:
+        return "dense"
+    if not differentiated and _uses_decode(backend, m, config):
+        return "decode"
+    if (backend.cost_model_routes and not _uses_decode(backend, m, config)
+            and _sparse_never_pays(m, d_model, d_ff, dtype, config)):
+        return "dense"
+    return "lists"
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
