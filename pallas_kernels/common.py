@@ -63,3 +63,17 @@ def check_dense_tiles(h, tile_width: int, slots_per_tile: int) -> tuple[int, int
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def check_up_inputs(x, w_up_t, m: int, f: int, d: int, gated: bool) -> None:
+    """The gated form's x [M, D] and w_up_t [F, D] (both given), or the non-gated form's (both
+    None): raises ValueError naming what is wrong."""
+    if gated:
+        if x is None or w_up_t is None:
+            raise ValueError("the gated form needs x and w_up_t")
+        if x.shape != (m, d):
+            raise ValueError(f"x has shape {x.shape}, expected ({m}, {d})")
+        if w_up_t.shape != (f, d):
+            raise ValueError(f"w_up_t has shape {w_up_t.shape}, expected ({f}, {d})")
+    elif x is not None or w_up_t is not None:
+        raise ValueError("the non-gated form takes no x or w_up_t")

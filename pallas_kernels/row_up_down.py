@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (check_config, largest_pow2_divisor, next_pow2,
-                                   resolve_interpret)
+from pallas_kernels.common import (check_config, check_up_inputs, largest_pow2_divisor,
+                                   next_pow2, resolve_interpret)
 
 
 def _row_up_down_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, up_width: int,
@@ -117,15 +117,7 @@ def _check_args(x, w_up_t, w_down, gate_values, columns, row_nnz, gated: bool):
     if columns.dtype != jnp.int32 or row_nnz.dtype != jnp.int32:
         raise ValueError(f"columns and row_nnz must be int32, got {columns.dtype} and "
                          f"{row_nnz.dtype}")
-    if gated:
-        if x is None or w_up_t is None:
-            raise ValueError("the gated form needs x and w_up_t")
-        if x.shape != (m, d):
-            raise ValueError(f"x has shape {x.shape}, expected ({m}, {d})")
-        if w_up_t.shape != (f, d):
-            raise ValueError(f"w_up_t has shape {w_up_t.shape}, expected ({f}, {d})")
-    elif x is not None or w_up_t is not None:
-        raise ValueError("the non-gated form takes no x or w_up_t")
+    check_up_inputs(x, w_up_t, m, f, d, gated)
     return m, k, d
 
 

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_interpret
+from pallas_kernels.common import (check_config, check_up_inputs, largest_pow2_divisor,
+                                   resolve_interpret)
 
 
 def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: int,
@@ -175,15 +176,7 @@ def _check_args(pre, x, w_up_t, w_down, gated: bool) -> tuple[int, int, int]:
     if pre.ndim != 2 or pre.shape[1] != f:
         raise ValueError(f"pre has shape {pre.shape}, expected (M, {f})")
     m = pre.shape[0]
-    if gated:
-        if x is None or w_up_t is None:
-            raise ValueError("the gated form needs x and w_up_t")
-        if x.shape != (m, d):
-            raise ValueError(f"x has shape {x.shape}, expected ({m}, {d})")
-        if w_up_t.shape != (f, d):
-            raise ValueError(f"w_up_t has shape {w_up_t.shape}, expected ({f}, {d})")
-    elif x is not None or w_up_t is not None:
-        raise ValueError("the non-gated form takes no x or w_up_t")
+    check_up_inputs(x, w_up_t, m, f, d, gated)
     return m, d, f
 
 
