@@ -77,7 +77,7 @@ def uncached_greedy(model, prompts, steps):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_cached_decoding_matches_full_forward(dtype):
-    model = model_lib.build("tiny", dtype=dtype, seed=1)
+    model = model_lib.build("tiny", dtype=dtype, seed=1, implementation="xla")
     expected_tokens, expected_logits = uncached_greedy(model, PROMPTS, NEW)
     # Logits of every step: prefill + decode_step on the cache against the full forward.
     tokens, lengths = padded(PROMPTS, 6)
@@ -108,7 +108,7 @@ def test_cached_decoding_matches_full_forward(dtype):
 def test_padded_prompt_same_as_alone():
     """bf16: the short prompt gives the same tokens alone as padded in a batch with a longer
     one, given as a list or as a padded array with prompt_lengths (padding of any value)."""
-    model = model_lib.build("tiny", seed=2)
+    model = model_lib.build("tiny", seed=2, implementation="xla")
     together = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW))
     array, lengths = padded(PROMPTS, 6)
     array[1, 4:] = 99
@@ -140,7 +140,7 @@ SAMPLING = dict(temperature=0.9, top_k=50, top_p=0.95)
 
 
 def test_sampling_chunks_and_keys():
-    model = model_lib.build("tiny", seed=4)
+    model = model_lib.build("tiny", seed=4, implementation="xla")
     key = jax.random.key(11)
     a = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW, key=key, **SAMPLING))
     b = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW, key=key, **SAMPLING))
@@ -180,7 +180,7 @@ def test_sample_logits_filters():
 
 
 def test_stop_tokens_pad_the_rest():
-    model = model_lib.build("tiny", seed=5)
+    model = model_lib.build("tiny", seed=5, implementation="xla")
     free = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW))
     stop = int(free[0, 2])
     tokens, stats = model_lib.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[stop],
@@ -227,7 +227,7 @@ def test_stop_tokens_pad_the_rest():
     (dict(prompt_lengths=[3, 2]), ValueError, "prompt_lengths is for a padded"),
 ])
 def test_generate_rejects(kwargs, error, message):
-    model = model_lib.build("tiny")
+    model = model_lib.build("tiny", implementation="xla")
     kwargs = {"prompts": PROMPTS, "max_new_tokens": 4, **kwargs}
     with pytest.raises(error, match=message):
         model_lib.generate(model, **kwargs)
@@ -269,7 +269,7 @@ def test_script_random_tiny(script, capsys):
     assert "tokens/s" in out and "active FFN units per token by layer (of 256)" in out
     assert len(summary["nnz_prefill"]) == len(summary["nnz_decode"]) == 2
     # The printed completion is the greedy tokens of the same model (the compiled stream).
-    chunks = model_lib.generate_chunks(model_lib.build("tiny", seed=0), [list(b"def f")],
+    chunks = model_lib.generate_chunks(model_lib.build("tiny", seed=0, implementation="xla"), [list(b"def f")],
                                        max_new_tokens=6, chunk_size=2)
     assert summary["tokens"] == np.concatenate([c[0] for c in chunks], axis=1)[0].tolist()
     with pytest.raises(SystemExit):
@@ -314,7 +314,7 @@ def test_script_hf_folder(script, tmp_path, monkeypatch):
     folder = write_hf_folder(tmp_path / "hf", cfg, hf_weights(cfg))
     summary = script.main(["--hf", str(folder), "--tokenizer", "bytes", "--max-new-tokens", "3",
                            "--prompt", "hi", "--no-stop"], quiet=True)
-    chunks = model_lib.generate_chunks(model_lib.from_hf(folder), [list(b"hi")],
+    chunks = model_lib.generate_chunks(model_lib.from_hf(folder, implementation="xla"), [list(b"hi")],
                                        max_new_tokens=3)
     expected = np.concatenate([c[0] for c in chunks], axis=1)[0].tolist()
     assert summary["tokens"] == expected and not summary["stopped"]

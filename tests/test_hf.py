@@ -118,14 +118,14 @@ def test_from_hf_matches_float64_llama(tmp_path, tied):
     weights = hf_weights(cfg)
     folder = write_hf_folder(tmp_path / "hf", cfg, weights, shards=2)
     expected = hf_llama_forward(cfg, weights, IDS)
-    model = model_lib.from_hf(folder, dtype=jnp.float32)
+    model = model_lib.from_hf(folder, dtype=jnp.float32, implementation="xla")
     mcfg = model.cfg
     assert (mcfg.n_kv_heads, mcfg.embed_scale, mcfg.tie_embeddings, mcfg.norm_eps) == (
         2, False, tied, 1e-5)
     assert (model.lm_head is None) == tied
     logits = forward(model, jnp.asarray([IDS]))[0]
     assert rel_err(logits, expected) < TOLERANCES["logits"][jnp.dtype(jnp.float32)]
-    bf16 = model_lib.from_hf(folder)  # default compute dtype bf16
+    bf16 = model_lib.from_hf(folder, implementation="xla")  # default compute dtype bf16
     assert (rel_err(forward(bf16, jnp.asarray([IDS]))[0], expected)
             < TOLERANCES["logits"][jnp.dtype(jnp.bfloat16)])
 
@@ -134,7 +134,7 @@ def test_from_hf_generate_greedy_matches_float64(tmp_path):
     """Cached decoding of the loaded model (GQA, untied) picks the float64 model's argmax."""
     weights = hf_weights(HF_CONFIG, seed=1)
     model = model_lib.from_hf(write_hf_folder(tmp_path / "hf", HF_CONFIG, weights),
-                              dtype=jnp.float32)
+                              dtype=jnp.float32, implementation="xla")
     prompt = IDS[:5]
     tokens = np.asarray(model_lib.generate(model, [prompt], max_new_tokens=6))[0]
     seq = list(prompt)

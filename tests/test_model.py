@@ -15,7 +15,7 @@ from tests.utils import TOLERANCES, rel_err
 from twell_jax import model as model_lib
 from twell_jax.config import TwELLConfig
 
-TINY = model_lib.CONFIGS["tiny"]
+TINY = dataclasses.replace(model_lib.CONFIGS["tiny"], implementation="xla")
 # Slots as wide as the tile and no row-density limit: no row is ever heavy, so the sparse
 # paths compute every token themselves (at init about half of the units are active, and the
 # default config would send every row to the dense backup). Pallas never switches to dense.
@@ -85,7 +85,7 @@ def test_config_is_hashable():
 
 
 def test_forward_shapes():
-    model = model_lib.build("tiny")
+    model = model_lib.build("tiny", implementation="xla")
     logits = forward(model, tokens((2, 17)))
     assert logits.shape == (2, 17, TINY.vocab_size) and logits.dtype == jnp.float32
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
@@ -94,7 +94,7 @@ def test_forward_shapes():
 
 def test_causal():
     """Changing a later token leaves the logits at earlier positions unchanged."""
-    model = model_lib.build("tiny")
+    model = model_lib.build("tiny", implementation="xla")
     x = tokens((2, 17))
     y = x.at[0, 8].set((x[0, 8] + 1) % TINY.vocab_size)
     a, b = forward(model, x), forward(model, y)
@@ -164,7 +164,7 @@ def test_gate_bias_params_features_and_activity():
     model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
     n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n == cfg.param_count() == TINY.param_count() + TINY.n_layers * TINY.d_ff
-    assert model_lib.build("tiny").blocks[0].ffn.b_gate is None
+    assert model_lib.build("tiny", implementation="xla").blocks[0].ffn.b_gate is None
     _set_gate_biases(model, seed=0)
     x = tokens((2, 17))
     logits = forward(model, x)
@@ -221,7 +221,7 @@ def test_layer_stats_in_layer_order():
 
 
 def test_unit_activity():
-    model = model_lib.build("tiny")
+    model = model_lib.build("tiny", implementation="xla")
     w = model.blocks[0].ffn.w_gate
     w[...] = w[...].at[:, :10].set(0.0)  # these units' gates are exactly 0: never active
     act = nnx.jit(model_lib.unit_activity)(model, tokens((2, 16)))
@@ -257,7 +257,7 @@ def test_remat_same_loss_and_grads():
 
 def test_remat_saves_only_ffn_outputs():
     """Under remat the backward pass recomputes the attention: the jaxpr holds a remat."""
-    remat = model_lib.build("tiny", remat=True)
+    remat = model_lib.build("tiny", remat=True, implementation="xla")
     graphdef, state = nnx.split(remat)
     x = tokens((1, 9))
 

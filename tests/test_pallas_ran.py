@@ -13,11 +13,13 @@ from tests.test_lowering import export_for_cuda
 from tests.utils import make_ffn_inputs
 
 FORWARD_KERNELS = {"twell_row_pack", "twell_row_up_down"}
-SPARSE = tj.TwELLConfig(dense_fallback_density=1.0)  # never the dense switch
+# Never the dense switch, and the lists even for these small calls (no decode path).
+SPARSE = tj.TwELLConfig(dense_fallback_density=1.0, decode_rows=0)
 
 
 def _kernel_names(text: str) -> set[str]:
-    return set(re.findall(r"twell_(?:row_pack|row_up_down|row_backward|sparse_outer)", text))
+    return set(re.findall(
+        r"twell_(?:row_pack|row_up_down|row_backward|sparse_outer|scan_up_down)", text))
 
 
 def test_forward_and_backward_lower_the_kernels():
@@ -32,6 +34,10 @@ def test_forward_and_backward_lower_the_kernels():
         str(jax.make_jaxpr(grad)(x, *weights)))
     reference = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="reference", config=SPARSE))
     assert not _kernel_names(reference.lower(x, *weights).as_text(debug_info=True))
+    # With the default config these 32 rows are a decode-sized call: one scan kernel.
+    decode = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas"))
+    assert _kernel_names(decode.lower(x, *weights).as_text(debug_info=True)) == {
+        "twell_scan_up_down"}
 
 
 @pytest.mark.parametrize("gated", [True, False])

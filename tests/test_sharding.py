@@ -69,7 +69,7 @@ def test_every_parameter_has_logical_axes():
     from flax import nnx
     from twell_jax import model as model_lib
 
-    model = model_lib.build("tiny", gate_bias=True)
+    model = model_lib.build("tiny", gate_bias=True, implementation="xla")
     for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         names = param.get_metadata().get(sharding.LOGICAL_AXES_KEY)
         assert names is not None and len(names) == param[...].ndim, path

@@ -37,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.common import default_interpret
 from twell_jax import backends
-from twell_jax.backends import Backend, Implementation, RowLists
+from twell_jax.backends import DEFAULT_IMPLEMENTATION, Backend, Implementation, RowLists
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 from twell_jax.dense import gate_pre_activation
 from twell_jax.format import column_sums, heavy_row_index, heavy_rows, mask_lists
@@ -55,8 +55,8 @@ class FFNStats(NamedTuple):
     (nearest rank). nnz_max: the most in one token.
     l1: mean over tokens of sum_j |h_j| (differentiable). heavy_rows: tokens the format sends
     to the dense backup (more than S non-zeros in some tile, or more than the row cap); the
-    dense and decode paths, which run no backup, report the same count. backup_overflow: more heavy rows
-    than ``config.backup_rows``, so the whole batch took the exact dense path.
+    dense and decode paths, which run no backup, report the same count. backup_overflow: more
+    heavy rows than ``config.backup_rows``, so the whole batch took the exact dense path.
     dense_fallback: the whole batch took the dense path (overflow, or density above
     the cost of the sparse up/down for ``"pallas"``, see ``TwELLConfig.dense_fallback_density``).
     """
@@ -481,7 +481,8 @@ def path_for(implementation: Implementation, m: int, d_model: int, d_ff: int, dt
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-              b_gate: jax.Array | None = None, implementation: Implementation = "pallas",
+              b_gate: jax.Array | None = None,
+              implementation: Implementation = DEFAULT_IMPLEMENTATION,
               config: TwELLConfig | None = None, return_stats: bool = False):
     """ReLU-gated FFN ``(relu(x @ w_gate + b_gate) * (x @ w_up)) @ w_down`` with TwELL sparsity.
 
@@ -502,7 +503,7 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
 
 
 def mlp(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *, b_up: jax.Array | None = None,
-        implementation: Implementation = "pallas", config: TwELLConfig | None = None,
+        implementation: Implementation = DEFAULT_IMPLEMENTATION, config: TwELLConfig | None = None,
         return_stats: bool = False):
     """Non-gated ReLU FFN ``relu(x @ w_up + b_up) @ w_down`` with TwELL sparsity.
 

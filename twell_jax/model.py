@@ -49,7 +49,7 @@ from flax import nnx
 
 from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
-from twell_jax.backends import Implementation
+from twell_jax.backends import DEFAULT_IMPLEMENTATION, Implementation
 from twell_jax.ffn import RESIDUALS_NAME, FFNStats
 
 _F32 = jnp.float32
@@ -82,8 +82,8 @@ class ModelConfig:
       n_heads: attention heads; the head width is D / n_heads.
       max_seq_len: longest sequence the model accepts (positions for the rotary tables).
       rope_theta: base of the rotary embedding frequencies.
-      implementation: the FFN path, ``"xla"`` (dense), ``"reference"`` (TwELL in jnp) or
-        ``"pallas"`` (TwELL kernels; interpret mode without a GPU).
+      implementation: the FFN path, ``"pallas"`` (TwELL kernels, the default; interpret mode
+        without a GPU), ``"reference"`` (TwELL in jnp) or ``"xla"`` (dense).
       twell: the TwELL format's knobs (``TwELLConfig()`` when None).
       dtype: compute dtype of activations and matmuls.
       param_dtype: storage dtype of the parameters.
@@ -106,7 +106,7 @@ class ModelConfig:
     n_heads: int
     max_seq_len: int
     rope_theta: float = 10_000.0
-    implementation: Implementation = "xla"
+    implementation: Implementation = DEFAULT_IMPLEMENTATION
     twell: TwELLConfig | None = None
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32

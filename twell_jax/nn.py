@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from twell_jax import backends, sharding
 from twell_jax.config import TwELLConfig
-from twell_jax.backends import Implementation
+from twell_jax.backends import DEFAULT_IMPLEMENTATION, Implementation
 from twell_jax.ffn import FFNStats, gated_mlp, mlp
 
 def sow_if_captured(module: nnx.Module, variable_type, name: str, value) -> None:
@@ -197,7 +197,8 @@ class SparseGatedMLP(_FFNBase):
         a threshold: it lowers the unit's firing rate). Default False.
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, implementation: Implementation = "pallas",
+    def __init__(self, d_model: int, d_ff: int, *,
+                 implementation: Implementation = DEFAULT_IMPLEMENTATION,
                  config: TwELLConfig | None = None, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32, kernel_init=default_kernel_init,
                  gate_bias: bool = False):
@@ -222,7 +223,8 @@ class SparseMLP(_FFNBase):
     Arguments as ``SparseGatedMLP``; calls ``twell_jax.mlp``.
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, implementation: Implementation = "pallas",
+    def __init__(self, d_model: int, d_ff: int, *,
+                 implementation: Implementation = DEFAULT_IMPLEMENTATION,
                  config: TwELLConfig | None = None, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32, kernel_init=default_kernel_init,
                  gate_bias: bool = False):

@@ -23,10 +23,14 @@ Implementation = Literal["pallas", "reference", "xla"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 """The names of ``Implementation``, in its order."""
 
+DEFAULT_IMPLEMENTATION: Implementation = "pallas"
+"""The one default of the ops, the NNX layers and ``ModelConfig``: the TwELL kernels."""
+
 _MODULES = types.MappingProxyType(
     {name: f"twell_jax.backends.{name}" for name in IMPLEMENTATIONS})
 
-__all__ = ["Backend", "RowLists", "Implementation", "IMPLEMENTATIONS", "check", "get"]
+__all__ = ["Backend", "RowLists", "Implementation", "IMPLEMENTATIONS", "DEFAULT_IMPLEMENTATION",
+           "check", "get"]
 
 
 def check(name: str) -> None:
