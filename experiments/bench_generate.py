@@ -13,12 +13,12 @@ On a CPU (interpret mode, the tiny model, well under a minute):
 Per (preset, implementation, batch B), with prompts of P = context - new_tokens random tokens
 and a KV cache of ``context`` positions (bf16, the compute dtype):
 
-- time to first token: ``model._start`` (what ``generate`` runs first: allocate the cache,
-  prefill the B x P prompt batch, sample the first token, the FFN statistics), one jitted call,
-  median over ``--runs`` after two warm-up calls.
-- decode: ``model._decode`` (``generate``'s loop: one ``lax.while_loop`` of N = new_tokens - 1
-  greedy decode steps, no host round trip per token, with the per-step FFN statistics) from
-  the state the prefill left. One call is timed whole, from dispatch to the tokens being
+- time to first token: ``model.generation_start`` (what ``generate`` runs first: allocate the
+  cache, prefill the B x P prompt batch, sample the first token, the FFN statistics), one
+  jitted call, median over ``--runs`` after two warm-up calls.
+- decode: ``model.generation_steps`` (``generate``'s loop: one ``lax.while_loop`` of
+  N = new_tokens - 1 greedy decode steps, no host round trip per token, with the per-step FFN
+  statistics) from the state the prefill left. One call is timed whole, from dispatch to the tokens being
   ready, median over ``--runs``; step time = call time / N, tokens/s = B * N / call time.
   The call's fixed costs (dispatch, copying the non-donated KV cache into the loop once) are
   included, not subtracted: they are what a caller of ``generate`` pays. Beside it, the same
@@ -81,7 +81,8 @@ class GenBenchConfig:
     presets: str = common.flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
     batches: str = common.flag("1,8", "comma list of batch sizes (sequences decoded together)")
     context: int = common.flag(2048, "cache length; prompts have context - new_tokens tokens")
-    new_tokens: int = common.flag(128, "tokens generated per sequence (1 from the prefill + decode)")
+    new_tokens: int = common.flag(128, "tokens generated per sequence (1 from the prefill, the "
+                                       "rest decoded)")
     mean_nnz: float = common.flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
     runs: int = common.flag(5, "timed repetitions per measurement (median reported)")
     hbm_bytes_per_s: float = common.flag(3.35e12, "memory bandwidth of the floors (H100 SXM)")
@@ -89,7 +90,8 @@ class GenBenchConfig:
                                       "dense_fallback_density=1.0)), as on a CPU")
     subprocess: bool = common.flag(True, "each case in its own process (its own peak memory)")
     seed: int = common.flag(0, "seed of the weights and the prompts")
-    out: str = common.flag("runs/bench_generate.jsonl", "JSON-lines file the records are appended to")
+    out: str = common.flag("runs/bench_generate.jsonl",
+                           "JSON-lines file the records are appended to")
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[GenBenchConfig, str | None]:
@@ -205,8 +207,8 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
     stop = jnp.zeros((mcfg.vocab_size,), bool)  # no stop token: every sequence runs every step
 
     def first_token():
-        return model_lib._start(graphdef, state, prompts, lengths, key, stop, sampling=sampling,
-                                cache_len=cfg.context)
+        return model_lib.generation_start(graphdef, state, prompts, lengths, key, stop,
+                                          sampling=sampling, cache_len=cfg.context)
 
     ttft_compile_s = first_call_seconds(first_token)
     ttft = time_call(first_token, cfg.runs)
@@ -214,8 +216,8 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
 
     def decode(n: int = steps):
         # n is traced and chunk static: every n runs the same compiled loop.
-        return model_lib._decode(graphdef, state, decode_state, jnp.int32(n), sampling=sampling,
-                                 chunk=steps)
+        return model_lib.generation_steps(graphdef, state, decode_state, jnp.int32(n),
+                                          sampling=sampling, chunk=steps)
 
     decode_compile_s = first_call_seconds(decode)
     sampler = PowerSampler()

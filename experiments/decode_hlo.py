@@ -1,7 +1,7 @@
 """Which weight-sized transposes, dtype converts and copies run inside the decode loop?
 
-Compiles ``generate``'s decode loop (``model._decode``) for a preset on this machine's backend
-and lists every transpose / convert / copy whose result has the shape of a parameter (or its
+Compiles ``generate``'s decode loop (``model.generation_steps``) for a preset on this machine's
+backend and lists every transpose / convert / copy whose result has the shape of a parameter (or its
 transpose), split into those inside the ``lax.while_loop`` body (paid every decode step; "in a
 branch" when under a ``conditional``, e.g. the sparse FFN's ``lax.cond``) and those XLA left in
 the entry computation (paid once per call, e.g. casts it hoisted out of the loop):
@@ -107,10 +107,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[str]]:
     lengths = jnp.full((args.batch,), 8, jnp.int32)
     sampling, key = model_lib.Sampling(), jax.random.key(0)
     stop = jnp.zeros((model.cfg.vocab_size,), bool)
-    decode_state, _, _ = model_lib._start(graphdef, state, prompts, lengths, key, stop,
-                                          sampling=sampling, cache_len=16)
-    hlo = model_lib._decode.lower(graphdef, state, decode_state, jnp.int32(4), sampling=sampling,
-                                  chunk=4).compile().as_text()
+    decode_state, _, _ = model_lib.generation_start(graphdef, state, prompts, lengths, key, stop,
+                                                    sampling=sampling, cache_len=16)
+    hlo = model_lib.generation_steps.lower(graphdef, state, decode_state, jnp.int32(4),
+                                           sampling=sampling, chunk=4).compile().as_text()
     if args.hlo_out:
         Path(args.hlo_out).write_text(hlo)
     shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(state.to_pure_dict())

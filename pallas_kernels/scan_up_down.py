@@ -15,7 +15,10 @@ units one dependent weight read after another. With several slices, each program
 partial sum and the wrapper adds the slices (a fixed order: the result is deterministic).
 
 Within a chunk the next active unit is found by a min-reduction over the lanes not yet
-visited, so a chunk costs one load plus one reduction per active unit.
+visited, so a chunk costs one load plus one reduction per active unit. A chunk with more than
+``dense_units`` active units (heavy rows) is multiplied densely instead: its [scan_width, D]
+slabs of ``w_up_t`` and ``w_down`` in independent tile loads, not one dependent pair of row
+reads per unit (the branch is inside the kernel).
 """
 
 from __future__ import annotations

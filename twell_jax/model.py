@@ -697,8 +697,10 @@ def _layer_nnz(intermediates: nnx.State, n_layers: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len"))
-def _start(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling, cache_len: int):
-    """Prefill and the first token: (DecodeState, token [B], nnz_mean [n_layers])."""
+def generation_start(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
+                     cache_len: int):
+    """``generate``'s first stage (jitted): prefill and the first token: (DecodeState, token
+    [B], nnz_mean [n_layers])."""
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(prompts.shape[0], cache_len)
     (logits, cache), inter = nnx.capture(model.prefill, nnx.Intermediate)(prompts, lengths, cache)
@@ -708,10 +710,12 @@ def _start(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk"))
-def _decode(graphdef, state, decode_state: DecodeState, n, *, sampling: Sampling, chunk: int):
-    """Up to ``n`` (<= chunk, traced) decode steps in one ``lax.while_loop``; stops early once
-    every sequence is done. Returns (DecodeState, tokens [B, chunk] (PAD_TOKEN past the steps
-    run or a stop), nnz_mean [chunk, n_layers] (NaN past the steps run))."""
+def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling: Sampling,
+                     chunk: int):
+    """``generate``'s decode loop (jitted): up to ``n`` (<= chunk, traced) decode steps in one
+    ``lax.while_loop``; stops early once every sequence is done. Returns (DecodeState, tokens
+    [B, chunk] (PAD_TOKEN past the steps run or a stop), nnz_mean [chunk, n_layers] (NaN past
+    the steps run))."""
     n_layers = nnx.merge(graphdef, state).cfg.n_layers
     b = decode_state.token.shape[0]
     tokens = jnp.full((b, chunk), PAD_TOKEN, jnp.int32)
@@ -745,12 +749,12 @@ def _decode(graphdef, state, decode_state: DecodeState, n, *, sampling: Sampling
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "steps"))
 def _generate(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
               cache_len: int, steps: int):
-    decode_state, first, nnz0 = _start(graphdef, state, prompts, lengths, key, stop,
-                                       sampling=sampling, cache_len=cache_len)
+    decode_state, first, nnz0 = generation_start(graphdef, state, prompts, lengths, key, stop,
+                                                 sampling=sampling, cache_len=cache_len)
     if steps == 0:
         return first[:, None], nnz0[None]
-    _, tokens, nnz = _decode(graphdef, state, decode_state, steps, sampling=sampling,
-                             chunk=steps)
+    _, tokens, nnz = generation_steps(graphdef, state, decode_state, steps, sampling=sampling,
+                                      chunk=steps)
     return (jnp.concatenate([first[:, None], tokens], axis=1),
             jnp.concatenate([nnz0[None], nnz], axis=0))
 
@@ -885,14 +889,14 @@ def generate_chunks(model: Transformer, prompts, *, max_new_tokens: int, chunk_s
     prompts, lengths, key, stop, cache_len = _prepare(model, prompts, prompt_lengths,
                                                       max_new_tokens, sampling, key, stop_tokens)
     graphdef, state = nnx.split(model)
-    decode_state, token, nnz = _start(graphdef, state, prompts, lengths, key, stop,
-                                      sampling=sampling, cache_len=cache_len)
+    decode_state, token, nnz = generation_start(graphdef, state, prompts, lengths, key, stop,
+                                                sampling=sampling, cache_len=cache_len)
     yield np.asarray(token)[:, None], np.asarray(nnz)[None]
     produced = 1
     while produced < max_new_tokens and not bool(np.all(np.asarray(decode_state.done))):
         n = min(chunk_size, max_new_tokens - produced)
-        decode_state, tokens, nnz = _decode(graphdef, state, decode_state, jnp.int32(n),
-                                            sampling=sampling, chunk=chunk_size)
+        decode_state, tokens, nnz = generation_steps(graphdef, state, decode_state, jnp.int32(n),
+                                                     sampling=sampling, chunk=chunk_size)
         ran = int(decode_state.step) - produced
         produced += ran
         yield np.asarray(tokens)[:, :ran], np.asarray(nnz)[:ran]
