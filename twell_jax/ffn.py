@@ -373,7 +373,9 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
 
 def _decode_forward(backend: Backend, x, weights, bias, gated, config):
     """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup."""
-    w_up_t = weights[1].T if gated else None  # loop-invariant in a decode loop: XLA hoists it
+    # One transpose per call; loop-invariant in a decode loop (the H100 run suggests XLA hoists
+    # it there, the CPU pipeline does not: BENCHMARKS.md, run 15).
+    w_up_t = weights[1].T if gated else None
     y, l1_rows, active = backend.decode(x, weights[0], bias, w_up_t, weights[-1])
     return y, _stats_from_active(active, l1_rows, config)
 
