@@ -384,6 +384,13 @@ def _uses_decode(backend: Backend, m: int, config: TwELLConfig) -> bool:
     return backend.decode is not None and m <= config.decode_rows
 
 
+def _static_dense(backend: Backend, m: int, d: int, f: int, dtype, config: TwELLConfig) -> bool:
+    """The shape-only switch: a sparse backend whose cost model says even an empty sparse call
+    costs more than the dense FFN runs the dense function (decode-sized calls excepted)."""
+    return (backend.cost_model_routes and not _uses_decode(backend, m, config)
+            and _sparse_never_pays(m, d, f, dtype, config))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _twell_ffn(x, weights, bias, gated, implementation, config):
     # Not differentiated (the primal): few rows take the list-free decode path. Differentiated
@@ -451,9 +458,7 @@ def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, retu
                          jnp.asarray(False))
     elif not backend.sparse:
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
-    elif (backend.cost_model_routes and not _uses_decode(backend, x2.shape[0], config)
-          and _sparse_never_pays(x2.shape[0], x2.shape[1], weights[0].shape[1], x.dtype,
-                                 config)):
+    elif _static_dense(backend, x2.shape[0], x2.shape[1], weights[0].shape[1], x.dtype, config):
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
         stats = stats._replace(dense_fallback=jnp.asarray(True))
     else:
@@ -469,17 +474,13 @@ def path_for(implementation: Implementation, m: int, d_model: int, d_ff: int, dt
     function), ``"decode"`` (the list-free decode path) or ``"lists"`` (the TwELL lists with the
     dense backup, which may still switch the batch to dense on the device: ``stats.
     dense_fallback`` says). ``differentiated``: the call is under ``jax.grad``/``vjp``."""
-    backends.check(implementation)
-    backend = backends.get(implementation)
+    backend = backends.get(implementation)  # raises for an unknown name
     config = DEFAULT_CONFIG if config is None else config
     if not backend.sparse:
         return "dense"
     if not differentiated and _uses_decode(backend, m, config):
         return "decode"
-    if (backend.cost_model_routes and not _uses_decode(backend, m, config)
-            and _sparse_never_pays(m, d_model, d_ff, dtype, config)):
-        return "dense"
-    return "lists"
+    return "dense" if _static_dense(backend, m, d_model, d_ff, dtype, config) else "lists"
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,

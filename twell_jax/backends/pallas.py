@@ -59,13 +59,21 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
     return RowLists(values, columns, row_total), counts, pre[:, :f]
 
 
-def _row_up_down(x, w_up_t, w_down, gate: RowLists):
+def _pad_up_down(x, w_up_t, w_down):
+    """x [M, D], w_up_t [F, D] (None when non-gated) and w_down [F, D] with D padded to a
+    multiple of 64 for the row kernels."""
     f, d = w_down.shape
     d_pad = _round_up(d, _D_MULTIPLE)
     if x is not None:
-        x, w_up_t = _pad(x, (x.shape[0], d_pad)), _pad(w_up_t, (f, d_pad))
-    y, up = row_up_down(x, w_up_t, _pad(w_down, (f, d_pad)), *gate)
-    return y[:, :d], up
+        x = _pad(x, (x.shape[0], d_pad))
+    if w_up_t is not None:
+        w_up_t = _pad(w_up_t, (f, d_pad))
+    return x, w_up_t, _pad(w_down, (f, d_pad))
+
+
+def _row_up_down(x, w_up_t, w_down, gate: RowLists):
+    y, up = row_up_down(*_pad_up_down(x, w_up_t, w_down), *gate)
+    return y[:, :w_down.shape[1]], up
 
 
 def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
@@ -85,16 +93,11 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff):
 
 
 def _decode(x, w_in, bias, w_up_t, w_down):
-    f, d = w_down.shape
     pre = gate_pre_activation(x, w_in, bias)
-    active = jnp.logical_not(pre <= 0)  # > 0 or NaN
-    d_pad = _round_up(d, _D_MULTIPLE)
-    if w_up_t is not None:
-        x, w_up_t = _pad(x, (x.shape[0], d_pad)), _pad(w_up_t, (f, d_pad))
-        y, l1 = scan_up_down(pre, x, w_up_t, _pad(w_down, (f, d_pad)))
-    else:
-        y, l1 = scan_up_down(pre, None, None, _pad(w_down, (f, d_pad)), out_dtype=x.dtype)
-    return y[:, :d], l1, active
+    gated = w_up_t is not None
+    x_pad, w_up_t, w_down_pad = _pad_up_down(x if gated else None, w_up_t, w_down)
+    y, l1 = scan_up_down(pre, x_pad, w_up_t, w_down_pad, out_dtype=x.dtype)
+    return y[:, :w_down.shape[1]], l1, jnp.logical_not(pre <= 0)  # active: > 0 or NaN
 
 
 # The cost model may route to dense: the kernels' rates are what it measures.

@@ -39,7 +39,8 @@ def sampled_dot(a: jax.Array, w: jax.Array, columns: jax.Array, row_nnz: jax.Arr
     return jax.lax.fori_loop(0, jnp.max(nnz, initial=0), step, jnp.zeros((m, k), _F32))
 
 
-def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array, w: jax.Array) -> jax.Array:
+def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array,
+               w: jax.Array) -> jax.Array:
     """out[m] = sum_{k < row_nnz[m]} values[m, k] * w[columns[m, k]].
 
     values: [M, K]; columns: [M, K] int32; row_nnz: [M]; w: [F, D]. Returns [M, D] float32.
@@ -50,7 +51,8 @@ def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array, w: jax
 
 def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax.Array,
                  b: jax.Array, d_ff: int) -> tuple[jax.Array, ...]:
-    """Transposed products: out_i[j] = sum over (m, k) with columns[m, k] = j of values_i[m, k] * b[m].
+    """Transposed products: out_i[j] = sum over (m, k) with columns[m, k] = j of
+    values_i[m, k] * b[m].
 
     values: a tuple of [M, K] arrays sharing the pattern; columns: [M, K]; row_nnz: [M];
     b: [M, D]. Returns a tuple of [d_ff, D] float32, one per values array (e.g. dW_down =
