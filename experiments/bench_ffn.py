@@ -222,6 +222,23 @@ def _check_rows(m: int, heavy_mask: np.ndarray, n: int, rng) -> np.ndarray:
     return np.unique(np.concatenate([heavy, rest]))
 
 
+def _record(case: Case, label: str, results: list[dict], emit: Callable,
+            measure_into: Callable[[dict], None], kind: str = "time", **extra) -> dict:
+    """One timing row: ``measure_into(row)`` fills it (a failure is reported in the row, never
+    hidden); its speedup is against ``results[0]``, the dense XLA FFN. Emitted and appended."""
+    row = {"case": case.name, "kind": kind, "label": label, **extra}
+    try:
+        measure_into(row)
+        base = results[0] if results else row
+        if "median_ms" in base:
+            row["speedup_vs_xla"] = base["median_ms"] / row["median_ms"]
+    except Exception as e:  # a failing variant is reported, never hidden
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    emit(row)
+    results.append(row)
+    return row
+
+
 DECODE_LAYERS, DECODE_STEPS = 4, 100
 
 
@@ -254,23 +271,19 @@ def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
     results = []
 
     def measure(label, fn, weight_sets, check=True):
-        row = {"case": case.name, "kind": "time", "label": label,
-               "timed": f"per call, on-device loop of {DECODE_STEPS} x {DECODE_LAYERS} layers"}
-        try:
+        def measure_into(row):
             if check:
                 row["rel_err"] = rel_error_float64(fn(x, *weight_sets[0]), x, w_gate, w_up,
                                                    w_down, rows)
             t = time_ms(decode_loop(fn), x, weight_sets, runs=args.runs, min_batch_ms=1.0)
             calls = DECODE_STEPS * DECODE_LAYERS
             row.update({k: (v / calls if k.endswith("_ms") else v) for k, v in t.items()})
-        except Exception as e:  # a failing variant is reported, never hidden
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        emit(row)
-        results.append(row)
-        return row
+
+        _record(case, label, results, emit, measure_into,
+                timed=f"per call, on-device loop of {DECODE_STEPS} x {DECODE_LAYERS} layers")
 
     op = lambda impl: (lambda x, *w: tj.gated_mlp(x, *w, implementation=impl, config=config))
-    base = measure("xla dense FFN", op("xla"), layers)
+    measure("xla dense FFN", op("xla"), layers)
     measure("pallas TwELL FFN", op("pallas"), layers)
     measure("flax: three bf16 nnx.Linear layers", flax_dense_mlp, layers)
     measure("stage: xla gate GEMM (x @ w_gate, bf16 out)",
@@ -278,9 +291,6 @@ def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
     measure("stage: gate GEMM + scan_up_down (w_up stored [F, D])",
             lambda x, g, ut, d: scan_up_down(jnp.dot(x, g), x, ut, d)[0], layers_t)
     measure("loop overhead (identity FFN)", lambda x, *w: x, layers, check=False)
-    for row in results:
-        if "median_ms" in row and "median_ms" in base:
-            row["speedup_vs_xla"] = base["median_ms"] / row["median_ms"]
     return results
 
 
@@ -296,8 +306,7 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     results = []
 
     def measure(label, fn, *fn_args, check=True, **extra):
-        row = {"case": case.name, "kind": "time", "label": label, **extra}
-        try:
+        def measure_into(row):
             if check:
                 y = fn(*fn_args)
                 y = y[0] if isinstance(y, tuple) else y
@@ -305,18 +314,13 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
             row.update(time_ms(fn, *fn_args, **timing))
             if "bytes" in row:  # a stage's bytes moved: its rate
                 row["TB_per_s"] = row["bytes"] / row["median_ms"] / 1e9
-            if results and "median_ms" in results[0]:  # results[0] is the dense XLA FFN
-                row["speedup_vs_xla"] = results[0]["median_ms"] / row["median_ms"]
-        except Exception as e:  # a failing variant is reported, never hidden
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        emit(row)
-        results.append(row)
-        return row
+
+        return _record(case, label, results, emit, measure_into, **extra)
 
     dense = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="xla"))
     sparse = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=config,
                                              return_stats=True))
-    base = measure("xla dense FFN", dense, x, w_gate, w_up, w_down)
+    measure("xla dense FFN", dense, x, w_gate, w_up, w_down)
     measure("pallas TwELL FFN", sparse, x, w_gate, w_up, w_down,
             fallback=bool(sparse(x, w_gate, w_up, w_down)[1].dense_fallback))
     no_switch = dataclasses.replace(config, dense_fallback_density=1.0)
@@ -341,9 +345,6 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     measure("stage: row_up_down (light rows)", up_down, x, jnp.asarray(w_up.T), w_down, values,
             columns, row_nnz, check=False,
             bytes=int(jnp.sum(row_nnz)) * 2 * case.d * w_down.dtype.itemsize)
-    for row in results:
-        if "median_ms" in row and "median_ms" in base:
-            row["speedup_vs_xla"] = base["median_ms"] / row["median_ms"]
     return results
 
 
@@ -396,8 +397,7 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
         return loss
 
     def measure(label, implementation, cfg=config):
-        row = {"case": case.name, "kind": "time_fwd_bwd", "label": label}
-        try:
+        def measure_into(row):
             loss = loss_of(implementation, cfg)
             step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
             got = step(*inputs)
@@ -410,15 +410,11 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
                 row[f"rel_err_{name}"] = float(np.linalg.norm(g - w) / np.linalg.norm(w)) \
                     if np.all(np.isfinite(g)) else float("nan")
             row.update(time_ms(step, *inputs, **timing))
-            if results and "median_ms" in results[0]:
-                row["speedup_vs_xla"] = results[0]["median_ms"] / row["median_ms"]
+            if results and "residual_bytes" in results[0]:
                 row["residuals_vs_xla"] = row["residual_bytes"] / max(
                     results[0]["residual_bytes"], 1)
-        except Exception as e:  # a failing variant is reported, never hidden
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        emit(row)
-        results.append(row)
-        return row
+
+        return _record(case, label, results, emit, measure_into, kind="time_fwd_bwd")
 
     measure("xla dense FFN fwd+bwd", "xla")
     measure("pallas TwELL FFN fwd+bwd", "pallas")
