@@ -1,0 +1,250 @@
+"""Where a model's GPU time goes: every kernel of a jitted call, from a JAX profiler trace.
+
+For each preset and implementation it profiles two programs of the real model, with gate biases
+calibrated to ``--mean-nnz`` active units per token as in ``bench_model.py``:
+
+- prefill: the last position's logits of ``--prefill`` (B x T) tokens, as ``bench_model.py``;
+- decode: ``model.generation_steps`` (generate's jitted loop) for ``--decode-steps`` steps at
+  batch ``--decode-batch`` after a prompt of ``--context`` minus those steps (bf16 parameters,
+  as ``bench_generate.py``).
+
+It reports, per program and run: the wall time (synchronised), the time some kernel was running
+on the GPU (the union of the kernels' intervals: "busy"), the kernels' summed time and count, and
+a table of kernels by name and by kind (twell kernels, GEMMs, attention, XLA fusions, copies).
+Wall minus busy is time the GPU sat idle: launches, host work, synchronisation. The trace's
+kernel times are the GPU's own (CUPTI), so they need no on-device loop.
+
+    python experiments/profile_kernels.py --presets 0.5b --out runs/profile.jsonl
+
+One JSON line per program (with every kernel) goes to ``--out``; a short table is printed last.
+On a CPU there are no GPU kernels: the rows carry wall times only (used by the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from common import flag  # noqa: E402
+from bench_model import calibrate  # noqa: E402
+
+from twell_jax import model as model_lib  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    presets: str = flag("0.5b", "comma list of model presets")
+    implementations: str = flag("xla,pallas", "comma list of implementations")
+    mean_nnz: float = flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
+    prefill: str = flag("8x2048", "prefill shape BxT ('' to skip)")
+    decode_batch: int = flag(1, "sequences in the decode loop (0 to skip decode)")
+    context: int = flag(2048, "prompt + decode steps of the decode program")
+    decode_steps: int = flag(32, "decode steps per profiled loop")
+    runs: int = flag(3, "profiled repetitions per program")
+    top: int = flag(12, "kernels listed per program in the printed table")
+    seed: int = flag(0, "seed of the weights and tokens")
+    out: str = flag("runs/profile.jsonl", "JSON-lines output")
+
+
+# ------------------------------------------------------------------------------------------
+# Reading a trace.
+
+KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("twell", ("twell_",)),
+    ("attention", ("cudnn", "flash", "fmha", "sdpa", "attention")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "dot")),
+    ("copy", ("memcpy", "memset", "copy", "transpose", "dynamic_update_slice")),
+    ("fusion", ("fusion", "loop_", "input_", "reduce", "convert", "broadcast", "select",
+                "concatenate", "slice", "add", "multiply")),
+)
+
+
+def kind_of(name: str) -> str:
+    """The kind of a GPU kernel from its name (twell, attention, gemm, copy, fusion, other)."""
+    lowered = name.lower()
+    for kind, keys in KINDS:
+        if any(k in lowered for k in keys):
+            return kind
+    return "other"
+
+
+def gpu_events(trace_dir: str) -> tuple[list[tuple[str, float, float]], dict[str, int]]:
+    """(name, start_ns, duration_ns) of every kernel and copy on the GPU planes of the
+    ``.xplane.pb`` under ``trace_dir`` (none on a machine without a GPU), and the events per
+    line of those planes (what the trace held, to check the choice of lines)."""
+    from jax.profiler import ProfileData
+
+    events, lines = [], {}
+    for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                line_events = [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+                lines[f"{plane.name} {line.name}"] = len(line_events)
+                # Stream lines hold the kernels and copies; the "XLA Ops" / "XLA Modules"
+                # lines annotate the same time and would count it twice.
+                if not line.name.lower().startswith("xla"):
+                    events.extend(line_events)
+    return events, lines
+
+
+def busy_ns(events: list[tuple[str, float, float]]) -> float:
+    """Length of the union of the events' intervals."""
+    total, end = 0.0, -np.inf
+    for _, start, duration in sorted(events, key=lambda e: e[1]):
+        stop = start + duration
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def profile(fn: Callable[[], object], runs: int) -> dict:
+    """Profiles ``runs`` synchronised calls of ``fn`` (after one warm-up call).
+
+    Returns wall_ms (median), and per run: busy_ms, kernel_ms (summed), launches, the kernels
+    [{name, kind, ms, calls}] by total time and the kinds {kind: ms}."""
+    jax.block_until_ready(fn())
+    walls = []
+    trace_dir = tempfile.mkdtemp(prefix="twell_profile_")
+    with jax.profiler.trace(trace_dir):
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            walls.append((time.perf_counter() - t0) * 1e3)
+    events, lines = gpu_events(trace_dir)
+    by_name: dict[str, list[float]] = {}
+    for name, _, duration in events:
+        by_name.setdefault(name, []).append(duration)
+    kernels = sorted(({"name": n, "kind": kind_of(n), "ms": sum(d) / 1e6 / runs,
+                       "calls": len(d) / runs} for n, d in by_name.items()),
+                     key=lambda k: -k["ms"])
+    kinds: dict[str, float] = {}
+    for k in kernels:
+        kinds[k["kind"]] = kinds.get(k["kind"], 0.0) + k["ms"]
+    return {"wall_ms": float(np.median(walls)), "busy_ms": busy_ns(events) / 1e6 / runs,
+            "kernel_ms": sum(k["ms"] for k in kernels),
+            "launches": len(events) / runs, "kinds": kinds, "kernels": kernels,
+            "trace_lines": lines}
+
+
+# ------------------------------------------------------------------------------------------
+# The programs.
+
+
+def _model(preset: str, impl: str, cfg: ProfileConfig, biases: np.ndarray | None,
+           param_dtype=jnp.float32) -> model_lib.Transformer:
+    model = model_lib.build(preset, implementation=impl, gate_bias=True, param_dtype=param_dtype,
+                            seed=cfg.seed)
+    if biases is not None:
+        for block, bias in zip(model.blocks, biases):
+            block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
+    return model
+
+
+def _tokens(vocab: int, b: int, t: int, seed: int) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed + 1), (b, t), 0, vocab, jnp.int32)
+
+
+def prefill_program(model, tokens) -> Callable[[], object]:
+    @nnx.jit
+    def prefill(model, tokens):  # the last position's logits, as bench_model
+        h = model.features(tokens)[:, -1]
+        return jnp.dot(h, model.embedding[...].astype(h.dtype).T,
+                       preferred_element_type=jnp.float32)
+
+    return lambda: prefill(model, tokens)
+
+
+def decode_program(model, prompts, steps: int, context: int) -> Callable[[], object]:
+    graphdef, state = nnx.split(model)
+    b = prompts.shape[0]
+    lengths = jnp.full((b,), prompts.shape[1], jnp.int32)
+    stop = jnp.zeros((model.cfg.vocab_size,), bool)
+    sampling = model_lib.Sampling()
+    decode_state, _, _ = model_lib.generation_start(graphdef, state, prompts, lengths,
+                                                    jax.random.key(0), stop, sampling=sampling,
+                                                    cache_len=context)
+    return lambda: model_lib.generation_steps(graphdef, state, decode_state, jnp.int32(steps),
+                                              sampling=sampling, chunk=steps)
+
+
+def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
+    rows = []
+    impls = [s for s in cfg.implementations.split(",") if s]
+    for preset in filter(None, cfg.presets.split(",")):
+        mcfg = model_lib.CONFIGS[preset]
+        target = cfg.mean_nnz * mcfg.d_ff / 5632
+        programs = []
+        if cfg.prefill:
+            b, t = (int(v) for v in cfg.prefill.lower().split("x"))
+            tokens = _tokens(mcfg.vocab_size, b, min(t, mcfg.max_seq_len), cfg.seed)
+            programs.append(("prefill", jnp.float32, tokens,
+                             lambda m, tok=tokens: prefill_program(m, tok)))
+        if cfg.decode_batch:
+            steps = min(cfg.decode_steps, cfg.context - 1)
+            prompts = _tokens(mcfg.vocab_size, cfg.decode_batch, cfg.context - steps, cfg.seed)
+            programs.append(("decode", jnp.bfloat16, prompts,
+                             lambda m, p=prompts, s=steps: decode_program(m, p, s, cfg.context)))
+        for program, param_dtype, calibration_tokens, make in programs:
+            calibrated = _model(preset, "xla", cfg, None, param_dtype)
+            biases = np.stack(calibrate(calibrated, calibration_tokens, target, "uniform",
+                                        lambda _: None))
+            del calibrated
+            for impl in impls:
+                model = _model(preset, impl, cfg, biases, param_dtype)
+                row = {"kind": "profile", "preset": preset, "program": program,
+                       "implementation": impl, "runs": cfg.runs, **profile(make(model), cfg.runs)}
+                if program == "decode":
+                    row.update(decode_batch=cfg.decode_batch, context=cfg.context,
+                               decode_steps=min(cfg.decode_steps, cfg.context - 1))
+                emit(row)
+                rows.append(row)
+                del model
+    return rows
+
+
+def print_table(rows: list[dict], top: int) -> None:
+    for r in rows:
+        per = r.get("decode_steps", 1)
+        unit = "per step" if per > 1 else "per call"
+        print(f"\n{r['preset']} {r['program']} {r['implementation']} ({unit}): wall "
+              f"{r['wall_ms'] / per:.3f} ms, busy {r['busy_ms'] / per:.3f}, kernels "
+              f"{r['kernel_ms'] / per:.3f} ms in {r['launches'] / per:.0f} launches; by kind: "
+              + ", ".join(f"{k} {v / per:.3f}" for k, v in
+                          sorted(r["kinds"].items(), key=lambda kv: -kv[1])))
+        for k in r["kernels"][:top]:
+            print(f"  {k['ms'] / per:9.4f} ms {k['calls'] / per:6.1f}x  {k['kind']:9s} "
+                  f"{k['name'][:90]}")
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    parser = common.flag_parser(ProfileConfig, __doc__)
+    cfg = ProfileConfig(**vars(parser.parse_args(argv)))
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+    with open(cfg.out, "a") as f:
+        def emit(row):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+        emit(common.header(" ".join(sys.argv), **dataclasses.asdict(cfg)))
+        rows = run(cfg, emit)
+    print_table(rows, cfg.top)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
