@@ -56,6 +56,8 @@ class ProfileConfig:
     runs: int = flag(3, "profiled repetitions per program")
     top: int = flag(12, "kernels listed per program in the printed table")
     seed: int = flag(0, "seed of the weights and tokens")
+    hlo_dir: str = flag("", "folder for each program's optimized HLO ('' for none): the "
+                            "kernels' names are its fusions' names")
     out: str = flag("runs/profile.jsonl", "JSON-lines output")
 
 
@@ -114,18 +116,22 @@ def busy_ns(events: list[tuple[str, float, float]]) -> float:
 
 
 def profile(fn: Callable[[], object], runs: int) -> dict:
-    """Profiles ``runs`` synchronised calls of ``fn`` (after one warm-up call).
+    """Times ``runs`` synchronised calls of ``fn`` (after one warm-up call), then profiles
+    as many more.
 
-    Returns wall_ms (median), and per run: busy_ms, kernel_ms (summed), launches, the kernels
-    [{name, kind, ms, calls}] by total time and the kinds {kind: ms}."""
+    Returns wall_ms (median, unprofiled: the profiler itself slows the host and turns off
+    XLA's command buffers), profiled_wall_ms, and per run: busy_ms, kernel_ms (summed),
+    launches, the kernels [{name, kind, ms, calls}] by total time and the kinds {kind: ms}."""
+    def timed() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        return (time.perf_counter() - t0) * 1e3
+
     jax.block_until_ready(fn())
-    walls = []
+    walls = [timed() for _ in range(runs)]
     trace_dir = tempfile.mkdtemp(prefix="twell_profile_")
     with jax.profiler.trace(trace_dir):
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            walls.append((time.perf_counter() - t0) * 1e3)
+        profiled = [timed() for _ in range(runs)]
     events, lines = gpu_events(trace_dir)
     by_name: dict[str, list[float]] = {}
     for name, _, duration in events:
@@ -136,10 +142,10 @@ def profile(fn: Callable[[], object], runs: int) -> dict:
     kinds: dict[str, float] = {}
     for k in kernels:
         kinds[k["kind"]] = kinds.get(k["kind"], 0.0) + k["ms"]
-    return {"wall_ms": float(np.median(walls)), "busy_ms": busy_ns(events) / 1e6 / runs,
-            "kernel_ms": sum(k["ms"] for k in kernels),
-            "launches": len(events) / runs, "kinds": kinds, "kernels": kernels,
-            "trace_lines": lines}
+    return {"wall_ms": float(np.median(walls)), "profiled_wall_ms": float(np.median(profiled)),
+            "busy_ms": busy_ns(events) / 1e6 / runs,
+            "kernel_ms": sum(k["ms"] for k in kernels), "launches": len(events) / runs,
+            "kinds": kinds, "kernels": kernels, "trace_lines": lines}
 
 
 # ------------------------------------------------------------------------------------------
@@ -160,17 +166,23 @@ def _tokens(vocab: int, b: int, t: int, seed: int) -> jax.Array:
     return jax.random.randint(jax.random.key(seed + 1), (b, t), 0, vocab, jnp.int32)
 
 
-def prefill_program(model, tokens) -> Callable[[], object]:
-    @nnx.jit
-    def prefill(model, tokens):  # the last position's logits, as bench_model
-        h = model.features(tokens)[:, -1]
-        return jnp.dot(h, model.embedding[...].astype(h.dtype).T,
-                       preferred_element_type=jnp.float32)
+def prefill_program(model, tokens):
+    """(call, hlo): the last position's logits of ``tokens``, as bench_model, jitted over
+    the split state (what a serving loop does: no per-call module traversal)."""
+    graphdef, state = nnx.split(model)
 
-    return lambda: prefill(model, tokens)
+    @jax.jit
+    def prefill(state, tokens):
+        m = nnx.merge(graphdef, state)
+        h = m.features(tokens)[:, -1]
+        return jnp.dot(h, m.embedding[...].astype(h.dtype).T, preferred_element_type=jnp.float32)
+
+    return (lambda: prefill(state, tokens),
+            lambda: prefill.lower(state, tokens).compile().as_text())
 
 
-def decode_program(model, prompts, steps: int, context: int) -> Callable[[], object]:
+def decode_program(model, prompts, steps: int, context: int):
+    """(call, hlo): ``steps`` decode steps of ``generation_steps`` after a prefill."""
     graphdef, state = nnx.split(model)
     b = prompts.shape[0]
     lengths = jnp.full((b,), prompts.shape[1], jnp.int32)
@@ -179,8 +191,10 @@ def decode_program(model, prompts, steps: int, context: int) -> Callable[[], obj
     decode_state, _, _ = model_lib.generation_start(graphdef, state, prompts, lengths,
                                                     jax.random.key(0), stop, sampling=sampling,
                                                     cache_len=context)
-    return lambda: model_lib.generation_steps(graphdef, state, decode_state, jnp.int32(steps),
-                                              sampling=sampling, chunk=steps)
+    args = (graphdef, state, decode_state, jnp.int32(steps))
+    kwargs = dict(sampling=sampling, chunk=steps)
+    return (lambda: model_lib.generation_steps(*args, **kwargs),
+            lambda: model_lib.generation_steps.lower(*args, **kwargs).compile().as_text())
 
 
 def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
@@ -207,8 +221,14 @@ def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
             del calibrated
             for impl in impls:
                 model = _model(preset, impl, cfg, biases, param_dtype)
+                call, hlo = make(model)
                 row = {"kind": "profile", "preset": preset, "program": program,
-                       "implementation": impl, "runs": cfg.runs, **profile(make(model), cfg.runs)}
+                       "implementation": impl, "runs": cfg.runs, **profile(call, cfg.runs)}
+                if cfg.hlo_dir:
+                    os.makedirs(cfg.hlo_dir, exist_ok=True)
+                    with open(os.path.join(cfg.hlo_dir, f"{preset}_{program}_{impl}.hlo.txt"),
+                              "w") as f:
+                        f.write(hlo())
                 if program == "decode":
                     row.update(decode_batch=cfg.decode_batch, context=cfg.context,
                                decode_steps=min(cfg.decode_steps, cfg.context - 1))
@@ -223,7 +243,7 @@ def print_table(rows: list[dict], top: int) -> None:
         per = r.get("decode_steps", 1)
         unit = "per step" if per > 1 else "per call"
         print(f"\n{r['preset']} {r['program']} {r['implementation']} ({unit}): wall "
-              f"{r['wall_ms'] / per:.3f} ms, busy {r['busy_ms'] / per:.3f}, kernels "
+              f"{r['wall_ms'] / per:.3f} ms (profiled {r['profiled_wall_ms'] / per:.3f}), busy {r['busy_ms'] / per:.3f}, kernels "
               f"{r['kernel_ms'] / per:.3f} ms in {r['launches'] / per:.0f} launches; by kind: "
               + ", ".join(f"{k} {v / per:.3f}" for k, v in
                           sorted(r["kinds"].items(), key=lambda kv: -kv[1])))
