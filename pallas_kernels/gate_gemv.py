@@ -131,7 +131,7 @@ class GateGemvConfig:
         check_config(self, ("block_f", "block_k", "num_warps"))
         if not isinstance(self.k_splits, int) or self.k_splits < 1:
             raise ValueError(f"k_splits must be an int >= 1, got {self.k_splits!r}")
-        if self.use_dot not in (None, True, False):
+        if not (self.use_dot is None or isinstance(self.use_dot, bool)):
             raise ValueError(f"use_dot must be None, True or False, got {self.use_dot!r}")
         if self.use_dot and min(self.block_k, self.block_f) < 16:
             raise ValueError(f"use_dot needs block_k and block_f >= 16, got block_k="
