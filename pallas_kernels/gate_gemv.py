@@ -155,7 +155,8 @@ def default_gate_gemv_config(m: int, d: int, f: int) -> GateGemvConfig:
     Below 16 rows: 128-column blocks, a broadcast product of at most 8K float32 values per step
     (block_k = 8192 / (M_pad * 128), at least 8). From 16 rows: a dot, 64-column blocks and
     64-row steps. K splits: enough for 264 programs, at most D / (16 M) (partial-sum traffic
-    <= ~1/8 of the weight bytes), a divisor of the step count (every split the same length). Not yet tuned on a GPU: ``experiments/probe_gate_gemv.py`` sweeps the knobs.
+    <= ~1/8 of the weight bytes), a divisor of the step count (every split the same length).
+    Not yet tuned on a GPU: ``experiments/probe_gate_gemv.py`` sweeps the knobs.
     """
     use_dot = m >= 16
     m_pad = max(16, next_pow2(m)) if use_dot else next_pow2(m)
