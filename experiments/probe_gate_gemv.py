@@ -13,12 +13,12 @@ For M in (1, 8, 64) rows, D = 2048, F = 5632, bf16 (23 MB of weights), bias a th
 Each variant's largest error max|out - ref| / max|ref| is checked against a float32 HIGHEST
 reference first (bf16 output rounding alone gives ~2e-3). Timing: at these sizes one call
 from Python times the host's dispatch (~35 us), so each variant runs inside one jitted
-``fori_loop`` of 100 steps, each calling it on 4 different weight matrices in turn (92 MB: no matrix stays in the 50 MB L2 between its
-calls), each call's x being x + 0 * the running sum of the outputs (not folded for floats: no
-call is hoisted or dropped). Per call = median over 10 timed loops / (4 * 100 calls), the
-loop's glue (the identity's time) included. A variant that fails to compile or run is recorded
-with its error; the sweep goes on. Sweep configs past their M's share of ``--budget-s`` are
-recorded as skipped.
+``fori_loop`` of 100 steps, each calling it on 4 different weight matrices in turn (92 MB: no
+matrix stays in the 50 MB L2 between its calls), each call's x being x + 0 * the running sum
+of the outputs (not folded for floats: no call is hoisted or dropped). Per call = median over
+10 timed loops / (4 * 100 calls), the loop's glue (the identity's time) included. A variant
+that fails to compile or run is recorded with its error; the sweep goes on. Sweep configs past
+their M's share of ``--budget-s`` are recorded as skipped.
 
     python experiments/probe_gate_gemv.py           # H100, ~1-2 minutes
     python experiments/probe_gate_gemv.py --smoke   # CPU, interpret mode, tiny shapes
