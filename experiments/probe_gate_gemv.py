@@ -117,18 +117,23 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU check: interpret mode, tiny shapes, 2 steps, 2 timed loops")
     parser.add_argument("--budget-s", type=float, default=125.0,
-                        help="seconds for the whole run: each M gets a third of it; sweep "
+                        help="seconds for the whole run: each M gets an equal share; sweep "
                         "configs starting after their M's share are skipped (the XLA "
                         "baselines, the default config and the identity always run)")
+    parser.add_argument("--d", type=int, default=2048, help="contraction length D")
+    parser.add_argument("--f", type=int, default=5632,
+                        help="output width F (2048: an attention projection)")
+    parser.add_argument("--ms", default="1,8,64", help="comma list of row counts M")
     args = parser.parse_args()
+    ms = tuple(int(v) for v in args.ms.split(","))
     if args.smoke:
         d, f, steps, runs = 96, 320, 2, 2
     else:
-        d, f, steps, runs = 2048, 5632, 100, 10
+        d, f, steps, runs = args.d, args.f, 100, 10
     interpret = args.smoke or jax.default_backend() != "gpu"
     out_dir = os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, "gate_gemv_probe.jsonl")
+    out_path = os.path.join(out_dir, f"gate_gemv_probe_{d}x{f}.jsonl")
     calls = LAYERS * steps
     weight_bytes = d * f * 2
     print(f"# probe_gate_gemv: device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
@@ -153,8 +158,8 @@ def main() -> None:
             + (f", rel err {row['rel_err']:.2e}" if "rel_err" in row else ""))
         print(f"M={row['m']:>2} {row['variant']:<40} {status}", flush=True)
 
-    for i_m, m in enumerate((1, 8, 64)):
-        deadline = T_START + args.budget_s * (i_m + 1) / 3
+    for i_m, m in enumerate(ms):
+        deadline = T_START + args.budget_s * (i_m + 1) / len(ms)
         x = jax.random.normal(keys[-1], (m, d), jnp.float32).astype(jnp.bfloat16)
         dot = np.asarray(jnp.dot(x, weights[0], preferred_element_type=jnp.float32,
                                  precision=jax.lax.Precision.HIGHEST), np.float64)
@@ -166,7 +171,8 @@ def main() -> None:
              lambda x, w, b: jnp.dot(x, w, preferred_element_type=jnp.float32), None, False),
         ]
         default = default_gate_gemv_config(m, d, f)
-        for i, config in enumerate([default] + SWEEP[m]):
+        sweep = [c for c in SWEEP.get(m, []) if c.block_f <= f]
+        for i, config in enumerate([default] + sweep):
             name = ("gate_gemv default " if i == 0 else "gate_gemv ") + describe(config)
             fn = (lambda c: lambda x, w, b: gate_gemv(x, w, b, config=c,
                                                       interpret=interpret))(config)
