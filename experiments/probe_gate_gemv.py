@@ -1,0 +1,233 @@
+"""GPU probe: the decode-sized gate product ``x @ w_gate + bias`` timed three ways.
+
+For M in (1, 8, 64) rows, D = 2048, F = 5632, bf16 (23 MB of weights), bias a threshold (about
+0.5% of the outputs positive), it times
+
+* ``xla gate_pre_activation``: ``twell_jax.dense.gate_pre_activation`` (the current path: XLA's
+  dot with a float32 output, the bias added before one rounding to bf16);
+* ``xla jnp.dot f32``: a plain ``jnp.dot(x, w, preferred_element_type=float32)``;
+* ``gate_gemv ...``: ``pallas_kernels.gate_gemv`` under several configs (the default first, then
+  a sweep of column blocks, D steps, D splits, dot or broadcast product, warps and stages);
+* ``loop overhead``: the same loop with an identity in place of the product.
+
+Each variant's largest error max|out - ref| / max|ref| is checked against a float32 HIGHEST
+reference first (bf16 output rounding alone gives ~2e-3). Timing: at these sizes one call
+from Python times the host's dispatch (~35 us), so each variant runs inside one jitted
+``fori_loop`` of 100 steps, each calling it on 4 different weight matrices in turn (92 MB: no
+matrix stays in the 50 MB L2 between its calls), each call's x being x + 0 * the running sum
+of the outputs (not folded for floats: no call is hoisted or dropped). Per call = median over
+10 timed loops / (4 * 100 calls), the loop's glue (the identity's time) included. A variant
+that fails to compile or run is recorded with its error; the sweep goes on. Sweep configs past
+their M's share of ``--budget-s`` are recorded as skipped.
+
+    python experiments/probe_gate_gemv.py           # H100, ~1-2 minutes
+    python experiments/probe_gate_gemv.py --smoke   # CPU, interpret mode, tiny shapes
+
+Rows go to ``$OUT/gate_gemv_probe.jsonl`` (the current directory when $OUT is unset); a table is
+printed last.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.perf_counter()  # the budget counts the imports too
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels.gate_gemv import (GateGemvConfig, default_gate_gemv_config,  # noqa: E402
+                                      gate_gemv)
+from twell_jax.dense import gate_pre_activation  # noqa: E402
+
+LAYERS = 4
+THRESHOLD = 2.576  # P(N(0, 1) > 2.576) = 0.5%
+
+
+def cfg(block_f, block_k, k_splits, use_dot, num_warps=4, num_stages=3) -> GateGemvConfig:
+    return GateGemvConfig(block_f=block_f, block_k=block_k, k_splits=k_splits, use_dot=use_dot,
+                          num_warps=num_warps, num_stages=num_stages)
+
+
+# Per M: configs worth a try at D = 2048, F = 5632 (44 column blocks of 128; 32 D steps of 64).
+# The default config of each M is timed first, separately.
+SWEEP = {
+    1: [cfg(128, 64, 1, False),            # no split: 44 programs (what the splits are worth)
+        cfg(128, 64, 4, False, 4, 4),
+        cfg(256, 32, 8, False),
+        cfg(64, 128, 4, False),
+        cfg(128, 128, 8, False, 8, 2),
+        cfg(128, 32, 16, False),
+        cfg(512, 16, 16, False),
+        cfg(256, 64, 8, False, 8, 3),
+        cfg(128, 64, 8, True),             # the dot on x padded to 16 rows
+        cfg(64, 128, 4, True, 4, 4)],
+    8: [cfg(128, 16, 8, False),
+        cfg(64, 32, 4, False),
+        cfg(128, 16, 4, False, 8, 4),
+        cfg(128, 64, 8, True),
+        cfg(64, 64, 4, True),
+        cfg(128, 128, 4, True),
+        cfg(256, 64, 8, True, 8, 3),
+        cfg(64, 128, 2, True, 4, 4),
+        cfg(128, 32, 8, True, 4, 4),
+        cfg(128, 64, 4, True, 4, 2)],
+    64: [cfg(64, 64, 1, True),             # no split, one launch: 88 programs
+         cfg(32, 64, 1, True),             # 176 programs
+         cfg(32, 128, 1, True, 4, 4),
+         cfg(64, 128, 2, True),
+         cfg(128, 64, 2, True, 8, 3),
+         cfg(64, 64, 4, True),
+         cfg(16, 128, 1, True, 2, 4),      # 352 programs, 32-byte tile rows
+         cfg(64, 32, 1, True, 4, 5),
+         cfg(128, 64, 1, True, 8, 4)],
+}
+
+
+def describe(config: GateGemvConfig) -> str:
+    kind = "dot" if config.use_dot else "bcast"
+    return (f"{kind} bf{config.block_f} bk{config.block_k} s{config.k_splits} "
+            f"w{config.num_warps} st{config.num_stages}")
+
+
+def decode_loop(fn, steps: int, d: int, f: int):
+    """Jitted loop: ``steps`` steps, each calling ``fn(x_i, w, b)`` for the LAYERS weight sets
+    in turn; x_i = x + 0 * (running sum of outputs)[:, :d], so each call waits for the last."""
+    width = min(d, f)
+
+    def run(x, weights, biases):
+        def step(_, acc):
+            for w, b in zip(weights, biases):
+                xi = x.astype(jnp.float32).at[:, :width].add(0.0 * acc[:, :width])
+                acc = acc + fn(xi.astype(x.dtype), w, b).astype(jnp.float32)
+            return acc
+        return jax.lax.fori_loop(0, steps, step, jnp.zeros((x.shape[0], f), jnp.float32))
+    return jax.jit(run)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU check: interpret mode, tiny shapes, 2 steps, 2 timed loops")
+    parser.add_argument("--budget-s", type=float, default=125.0,
+                        help="seconds for the whole run: each M gets an equal share; sweep "
+                        "configs starting after their M's share are skipped (the XLA "
+                        "baselines, the default config and the identity always run)")
+    parser.add_argument("--d", type=int, default=2048, help="contraction length D")
+    parser.add_argument("--f", type=int, default=5632,
+                        help="output width F (2048: an attention projection)")
+    parser.add_argument("--ms", default="1,8,64", help="comma list of row counts M")
+    args = parser.parse_args()
+    ms = tuple(int(v) for v in args.ms.split(","))
+    if args.smoke:
+        d, f, steps, runs = 96, 320, 2, 2
+    else:
+        d, f, steps, runs = args.d, args.f, 100, 10
+    interpret = args.smoke or jax.default_backend() != "gpu"
+    out_dir = os.environ.get("OUT") or "."
+    os.makedirs(out_dir, exist_ok=True)
+    out_path = os.path.join(out_dir, f"gate_gemv_probe_{d}x{f}.jsonl")
+    calls = LAYERS * steps
+    weight_bytes = d * f * 2
+    print(f"# probe_gate_gemv: device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+          f"D={d} F={f} bf16, {steps} steps x {LAYERS} weight sets per loop, median of "
+          f"{runs} loops, interpret={interpret}", flush=True)
+
+    key = jax.random.PRNGKey(0)
+    keys = jax.random.split(key, 2 * LAYERS + 1)
+    weights = tuple((jax.random.normal(keys[i], (d, f), jnp.float32) / np.sqrt(d))
+                    .astype(jnp.bfloat16) for i in range(LAYERS))
+    biases = tuple(-THRESHOLD + 0.1 * jax.random.normal(keys[LAYERS + i], (f,), jnp.float32)
+                   for i in range(LAYERS))
+    rows: list[dict] = []
+    sink = open(out_path, "w")
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        sink.write(json.dumps(row) + "\n")
+        sink.flush()
+        status = row.get("error") or row.get("skipped") or (
+            f"{row['us']:.2f} us, {row['gbps']:.0f} GB/s"
+            + (f", rel err {row['rel_err']:.2e}" if "rel_err" in row else ""))
+        print(f"M={row['m']:>2} {row['variant']:<40} {status}", flush=True)
+
+    for i_m, m in enumerate(ms):
+        deadline = T_START + args.budget_s * (i_m + 1) / len(ms)
+        x = jax.random.normal(keys[-1], (m, d), jnp.float32).astype(jnp.bfloat16)
+        dot = np.asarray(jnp.dot(x, weights[0], preferred_element_type=jnp.float32,
+                                 precision=jax.lax.Precision.HIGHEST), np.float64)
+        refs = {True: dot + np.asarray(biases[0], np.float64), False: dot}
+        variants = [  # (name, fn(x, w, b), config, adds the bias)
+            ("xla gate_pre_activation", lambda x, w, b: gate_pre_activation(x, w, b), None,
+             True),
+            ("xla jnp.dot f32 (no bias)",
+             lambda x, w, b: jnp.dot(x, w, preferred_element_type=jnp.float32), None, False),
+        ]
+        default = default_gate_gemv_config(m, d, f)
+        sweep = [c for c in SWEEP.get(m, []) if c.block_f <= f]
+        for i, config in enumerate([default] + sweep):
+            name = ("gate_gemv default " if i == 0 else "gate_gemv ") + describe(config)
+            fn = (lambda c: lambda x, w, b: gate_gemv(x, w, b, config=c,
+                                                      interpret=interpret))(config)
+            variants.append((name, fn, config, True))
+        variants.append(("loop overhead (identity)",
+                         lambda x, w, b: jnp.pad(x, ((0, 0), (0, f - d))) if f > d else x[:, :f],
+                         None, None))
+
+        for name, fn, config, biased in variants:
+            row = {"m": m, "d": d, "f": f, "variant": name}
+            if config is not None:
+                row["config"] = {k: getattr(config, k) for k in
+                                 ("block_f", "block_k", "k_splits", "use_dot", "num_warps",
+                                  "num_stages")}
+                row["programs"] = -(-f // config.block_f) * config.k_splits
+            optional = config is not None and "default" not in name
+            if optional and time.perf_counter() > deadline:
+                row["skipped"] = f"M={m}'s share of the {args.budget_s:.0f} s budget spent"
+                emit(row)
+                continue
+            try:
+                t0 = time.perf_counter()
+                if biased is not None:
+                    got = np.asarray(jax.jit(fn)(x, weights[0], biases[0]), np.float64)
+                    ref = refs[biased]
+                    row["rel_err"] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+                loop = decode_loop(fn, steps, d, f)
+                jax.block_until_ready(loop(x, weights, biases))  # compile
+                row["compile_s"] = round(time.perf_counter() - t0, 2)
+                jax.block_until_ready(loop(x, weights, biases))  # warm
+                samples = []
+                for _ in range(runs):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(loop(x, weights, biases))
+                    samples.append(time.perf_counter() - t0)
+                row["us"] = float(np.median(samples)) / calls * 1e6
+                row["us_min"] = float(np.min(samples)) / calls * 1e6
+                row["gbps"] = weight_bytes / (row["us"] * 1e-6) / 1e9
+            except Exception as e:  # a config that fails to compile is a result too
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            emit(row)
+    sink.close()
+
+    print(f"\n# per call (median loop / {calls}), weight bytes {weight_bytes / 1e6:.1f} MB; "
+          f"{time.perf_counter() - T_START:.0f} s in all; rows in {out_path}")
+    print(f"{'variant':<44} {'M':>3} {'us':>8} {'GB/s':>7} {'rel err':>9}")
+    for row in rows:
+        if "us" in row:
+            err = f"{row['rel_err']:.2e}" if "rel_err" in row else "-"
+            print(f"{row['variant']:<44} {row['m']:>3} {row['us']:>8.2f} {row['gbps']:>7.0f} "
+                  f"{err:>9}")
+        else:
+            print(f"{row['variant']:<44} {row['m']:>3} "
+                  f"{'FAILED' if 'error' in row else 'skipped':>8}")
+
+
+if __name__ == "__main__":
+    main()

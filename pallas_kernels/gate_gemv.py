@@ -1,0 +1,272 @@
+"""The gate product at decode sizes: ``pre = x @ w + bias`` for few token rows (M <= 64).
+
+With M rows and a [D, F] weight matrix the product is a matrix-vector product in disguise:
+2 M D F flops against 2 D F bytes of bf16 weights, so at M <= 64 it is bound by reading the
+weights once (D = 2048, F = 5632: 23 MB, 6.9 us at an H100's 3.35 TB/s). XLA's dot takes about
+twice that there. This kernel is built around the weight read:
+
+* The grid is (column blocks of F, K splits). Program (j, s) reads the [block_k, block_f]
+  tiles of ``w`` (row-major [D, F]: each tile row is ``block_f`` contiguous values, so loads
+  are coalesced) for its columns and its share of D, ``block_k`` rows per step of a loop that
+  Triton pipelines (``num_stages``). Every weight value is read by exactly one program.
+* Few column blocks (F / block_f ~ 44) would leave most of the 132 SMs idle, so D can be split
+  over a second grid axis (``k_splits``): each split writes float32 partial sums
+  [splits, M, F] that the wrapper adds in a fixed order (deterministic) before the bias. The
+  partials cost 2 * splits * M * F * 4 bytes of traffic, small next to the weights when
+  splits * M is small; the default keeps them under ~1/8 of the weight bytes.
+* With one split the kernel adds the bias in float32 and rounds once to x.dtype itself: one
+  launch, no epilogue pass (at ~7 us a second launch is not free).
+* The x rows are loaded per step as one [M_pad, block_k] tile (tiny, stays in L1/L2). Below
+  16 rows (``use_dot`` False) the product is a broadcast multiply and a float32 sum over the
+  tile's K axis ([M_pad, block_k, block_f] values per step, so block_k shrinks as M grows);
+  otherwise a tensor-core dot on x padded to >= 16 rows (the padding's flops are free in a
+  memory-bound kernel, so the dot can be tried at any M).
+
+Ragged shapes are masked, not padded: padding w would copy it on every call. Blocks that
+divide D and F skip the masks (they are static).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import check_config, next_pow2, resolve_interpret
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_MAX_ROWS = 64  # the x rows are one tile; more rows want a GEMM, not this kernel
+
+
+def _load(ref, mask):
+    """A tile load, zeros where ``mask`` (broadcast to the tile) is False; unmasked for None."""
+    if mask is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
+
+
+def _gate_gemv_kernel(*refs, m: int, d: int, f: int, m_pad: int, block_k: int, block_f: int,
+                      steps: int, use_dot: bool, has_bias: bool, fused: bool, mask_k: bool,
+                      mask_f: bool, precision):
+    """One program: columns [j * block_f, +block_f) for j = ``program_id(0)`` and D rows
+    [s * steps * block_k, +steps * block_k) for s = ``program_id(1)``.
+
+    Refs (whole arrays): x [M, D], w [D, F], [bias [F]]; output: pre [M, F] in x.dtype
+    (``fused``: the only split, bias added) or partial sums [S, M, F] float32.
+    """
+    if has_bias:
+        x_ref, w_ref, b_ref, o_ref = refs
+    else:
+        x_ref, w_ref, o_ref = refs
+    j = pl.program_id(0)
+    s = pl.program_id(1)
+    col0 = j * block_f
+    cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (block_f,), 0)
+    col_ok = cols < f
+    row_ok = jax.lax.broadcasted_iota(jnp.int32, (m_pad,), 0) < m
+    k_lane = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    k_first = s * (steps * block_k)
+
+    def step(i, acc):
+        k0 = k_first + i * block_k
+        x_mask = row_ok[:, None]
+        w_mask = None
+        if mask_k:
+            k_ok = (k0 + k_lane) < d
+            x_mask = x_mask & k_ok[None, :]
+            w_mask = k_ok[:, None]
+        if mask_f:
+            w_mask = col_ok[None, :] if w_mask is None else w_mask & col_ok[None, :]
+        if m_pad == m and not mask_k:
+            x_mask = None
+        xk = _load(x_ref.at[pl.ds(0, m_pad), pl.ds(k0, block_k)], x_mask)
+        wk = _load(w_ref.at[pl.ds(k0, block_k), pl.ds(col0, block_f)], w_mask)
+        if use_dot:
+            return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32,
+                                 precision=precision)
+        prod = xk.astype(jnp.float32)[:, :, None] * wk.astype(jnp.float32)[None, :, :]
+        return acc + jnp.sum(prod, axis=1)
+
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((m_pad, block_f), jnp.float32))
+    out_mask = row_ok[:, None] & col_ok[None, :] if (m_pad != m or mask_f) else None
+    if fused:
+        if has_bias:
+            bias = _load(b_ref.at[pl.ds(col0, block_f)], col_ok if mask_f else None)
+            acc = acc + bias.astype(jnp.float32)[None, :]
+        plgpu.store(o_ref.at[pl.ds(0, m_pad), pl.ds(col0, block_f)], acc.astype(o_ref.dtype),
+                    mask=out_mask)
+    else:
+        plgpu.store(o_ref.at[s, pl.ds(0, m_pad), pl.ds(col0, block_f)], acc, mask=out_mask)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GateGemvConfig:
+    """Knobs of :func:`gate_gemv`.
+
+    Attributes:
+      block_f: columns of F per program (power of two); the grid's first axis is
+        ceil(F / block_f).
+      block_k: rows of D (and of w) per loop step (power of two).
+      k_splits: D is split over this many programs per column block (an int >= 1; fewer are
+        used when D has fewer ``block_k`` steps); > 1 writes float32 partial sums that the
+        wrapper adds.
+      use_dot: tensor-core dot on x padded to >= 16 rows (then block_k, block_f >= 16), or a
+        broadcast multiply and sum (False); None: a dot from 16 rows up.
+      num_warps: Triton warps per program.
+      num_stages: Triton pipelining stages of the loop over D.
+    """
+
+    block_f: int = 128
+    block_k: int = 64
+    k_splits: int = 1
+    use_dot: bool | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        check_config(self, ("block_f", "block_k", "num_warps"))
+        if not isinstance(self.k_splits, int) or self.k_splits < 1:
+            raise ValueError(f"k_splits must be an int >= 1, got {self.k_splits!r}")
+        if not (self.use_dot is None or isinstance(self.use_dot, bool)):
+            raise ValueError(f"use_dot must be None, True or False, got {self.use_dot!r}")
+        if self.use_dot and min(self.block_k, self.block_f) < 16:
+            raise ValueError(f"use_dot needs block_k and block_f >= 16, got block_k="
+                             f"{self.block_k}, block_f={self.block_f}")
+
+    def dot_for(self, m: int) -> bool:
+        """Whether a call with ``m`` rows uses the tensor-core dot."""
+        return m >= 16 if self.use_dot is None else self.use_dot
+
+
+def _pick_splits(total_steps: int, wanted: int, cap: int) -> int:
+    """The smallest divisor of ``total_steps`` in [wanted, cap], else the largest <= cap
+    (1 at worst): splits of equal length, no masked tail."""
+    divisors = [q for q in range(1, min(cap, total_steps) + 1) if total_steps % q == 0]
+    return next((q for q in divisors if q >= wanted), divisors[-1])
+
+
+def default_gate_gemv_config(m: int, d: int, f: int) -> GateGemvConfig:
+    """~2 programs per SM of an H100 (264) where the partial sums allow it.
+
+    Below 16 rows: 128-column blocks, a broadcast product of at most 8K float32 values per step
+    (block_k = 8192 / (M_pad * 128), at least 8). From 16 rows: a dot, 64-column blocks and
+    64-row steps. K splits: enough for 264 programs, at most D / (16 M) (partial-sum traffic
+    <= ~1/8 of the weight bytes), a divisor of the step count (every split the same length).
+    Not yet tuned on a GPU: ``experiments/probe_gate_gemv.py`` sweeps the knobs.
+    """
+    use_dot = m >= 16
+    m_pad = max(16, next_pow2(m)) if use_dot else next_pow2(m)
+    if use_dot:
+        block_f, block_k = 64, 64
+    else:
+        block_f = 128
+        block_k = max(8, 8192 // (m_pad * block_f))
+    block_f = min(block_f, max(16, next_pow2(f)))
+    block_k = min(block_k, max(16 if use_dot else 1, next_pow2(d)))
+    blocks = -(-f // block_f)
+    total_steps = -(-d // block_k)
+    wanted = -(-264 // blocks)
+    cap = max(1, d // (16 * max(m, 1)))
+    return GateGemvConfig(block_f=block_f, block_k=block_k,
+                          k_splits=_pick_splits(total_steps, wanted, cap),
+                          use_dot=use_dot, num_warps=4, num_stages=3)
+
+
+def _check_args(x, w, bias) -> tuple[int, int, int]:
+    """Shapes and dtypes of :func:`gate_gemv`'s inputs; returns (M, D, F)."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D [M, D], got shape {x.shape}")
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [D, F], got shape {w.shape}")
+    m, d = x.shape
+    if w.shape[0] != d:
+        raise ValueError(f"w has shape {w.shape}, expected ({d}, F) for x of shape {x.shape}")
+    f = w.shape[1]
+    if not 1 <= m <= _MAX_ROWS:
+        raise ValueError(f"gate_gemv takes 1 to {_MAX_ROWS} rows, got M={m}")
+    if d < 1 or f < 1:
+        raise ValueError(f"empty operands: x {x.shape}, w {w.shape}")
+    if jnp.dtype(x.dtype) not in _DTYPES:
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if jnp.dtype(w.dtype) != jnp.dtype(x.dtype):
+        raise ValueError(f"w's dtype {w.dtype} differs from x's {x.dtype}")
+    if bias is not None:
+        if bias.shape != (f,):
+            raise ValueError(f"bias has shape {bias.shape}, expected ({f},)")
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise ValueError(f"bias must be floating point, got {bias.dtype}")
+    return m, d, f
+
+
+def gate_gemv(
+    x: jax.Array,
+    w: jax.Array,
+    bias: jax.Array | None,
+    *,
+    config: GateGemvConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``x @ w + bias`` for few rows, float32 accumulation, rounded once to x.dtype.
+
+    Args:
+      x: [M, D] with 1 <= M <= 64; bfloat16, float16 or float32.
+      w: [D, F] row-major, x's dtype.
+      bias: [F] (any float dtype, added in float32 before the rounding) or None.
+      config: ``default_gate_gemv_config(M, D, F)`` when None. D and F need not be multiples
+        of the blocks.
+      interpret: run the Pallas interpreter (None: iff no GPU).
+    Returns:
+      pre [M, F] in x.dtype: ``(x @ w (float32) + bias (float32)).astype(x.dtype)``, as
+      ``twell_jax.dense.gate_pre_activation`` computes it for decode-sized M.
+    """
+    m, d, f = _check_args(x, w, bias)
+    config = default_gate_gemv_config(m, d, f) if config is None else config
+    use_dot = config.dot_for(m)
+    if use_dot and min(config.block_k, config.block_f) < 16:
+        raise ValueError(f"the dot needs block_k and block_f >= 16, got {config}")
+    m_pad = max(16, next_pow2(m)) if use_dot else next_pow2(m)
+    total_steps = -(-d // config.block_k)
+    steps = -(-total_steps // min(config.k_splits, total_steps))
+    splits = -(-total_steps // steps)  # no empty split
+    blocks = -(-f // config.block_f)
+    fused = splits == 1
+    has_bias = bias is not None
+    precision = (jax.lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None)
+    kernel = functools.partial(
+        _gate_gemv_kernel, m=m, d=d, f=f, m_pad=m_pad, block_k=config.block_k,
+        block_f=config.block_f, steps=steps, use_dot=use_dot, has_bias=has_bias and fused,
+        fused=fused, mask_k=splits * steps * config.block_k != d,
+        mask_f=blocks * config.block_f != f, precision=precision)
+    out_shape = (jax.ShapeDtypeStruct((m, f), x.dtype) if fused
+                 else jax.ShapeDtypeStruct((splits, m, f), jnp.float32))
+    inputs = (x, w, bias) if has_bias and fused else (x, w)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(blocks, splits),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=resolve_interpret(interpret),
+        name="twell_gate_gemv",
+    )(*inputs)
+    if fused:
+        return out
+    pre = jnp.sum(out, axis=0)
+    if has_bias:
+        pre = pre + bias.astype(jnp.float32)
+    return pre.astype(x.dtype)
+
+
+def gate_gemv_reference(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """Plain-jnp :func:`gate_gemv` (same arguments and output): a float32 dot at highest
+    precision plus the float32 bias, rounded once to x.dtype."""
+    _check_args(x, w, bias)
+    pre = jnp.dot(x, w, preferred_element_type=jnp.float32,
+                  precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        pre = pre + bias.astype(jnp.float32)
+    return pre.astype(x.dtype)
