@@ -105,6 +105,32 @@ def test_cached_decoding_matches_full_forward(dtype):
         np.testing.assert_allclose(stats["nnz_mean"][0], prompt_nnz, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_decode_kernels_match_xla(dtype):
+    """``ModelConfig.decode_kernels``: the attention's few-row products on the Pallas kernels
+    (interpret mode here) give the plain XLA model's logits at every step, and its tokens."""
+    models = {flag: model_lib.build("tiny", dtype=dtype, seed=2, implementation="xla",
+                                    decode_kernels=flag) for flag in (False, True)}
+    assert models[True].blocks[0].attn.decode_kernels
+    assert not models[False].blocks[0].attn.decode_kernels
+    tokens, lengths = padded(PROMPTS, 6)
+    state = {}
+    for flag, model in models.items():
+        cache = model.init_cache(2, WIDTH)
+        logits, cache = prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+        state[flag] = [np.asarray(logits)]
+        for i in range(3):
+            logits, cache = decode_step(model, jnp.asarray(np.arange(2) + 3 * i), cache)
+            state[flag].append(np.asarray(logits))
+    for i, (want, got) in enumerate(zip(state[False], state[True])):
+        assert np.isfinite(got).all()
+        assert rel_err(got, want) < TOLERANCES["logits"][jnp.dtype(dtype)], i
+    if dtype == jnp.float32:
+        np.testing.assert_array_equal(
+            np.asarray(model_lib.generate(models[True], PROMPTS, max_new_tokens=NEW)),
+            np.asarray(model_lib.generate(models[False], PROMPTS, max_new_tokens=NEW)))
+
+
 def test_padded_prompt_same_as_alone():
     """bf16: the short prompt gives the same tokens alone as padded in a batch with a longer
     one, given as a list or as a padded array with prompt_lengths (padding of any value)."""

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gate_gemv import GateGemvConfig, gate_gemv
+from pallas_kernels.gemv import GemvConfig, gemv
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import RowUpDownConfig, row_up_down
 from pallas_kernels.row_backward import row_backward
@@ -115,17 +115,17 @@ def test_sparse_outer_lowers(n_values):
 
 @pytest.mark.parametrize("config", [
     None,  # the default: broadcast product (m < 16) or dot, split over D
-    GateGemvConfig(block_f=64, block_k=32, k_splits=3, use_dot=False, num_warps=2),
-    GateGemvConfig(block_f=128, block_k=64, k_splits=1, use_dot=True, num_stages=4),
+    GemvConfig(block_f=64, block_k=32, k_splits=3, use_dot=False, num_warps=2),
+    GemvConfig(block_f=128, block_k=64, k_splits=1, use_dot=True, num_stages=4),
 ])
 @pytest.mark.parametrize("m", [1, 5, 64])
 @pytest.mark.parametrize("ragged", [True, False], ids=["ragged_bias", "exact_nobias"])
-def test_gate_gemv_lowers(ragged, m, config):
+def test_gemv_lowers(ragged, m, config):
     if ragged:  # D and F not multiples of the blocks: the masked loads and stores lower too
-        fn = lambda x, w, b: gate_gemv(x, w, b, config=config, interpret=False)
+        fn = lambda x, w, b: gemv(x, w, b, config=config, interpret=False)
         args = S((m, D + 40), BF16), S((D + 40, F - 24), BF16), S((F - 24,), jnp.float32)
     else:
-        fn = lambda x, w: gate_gemv(x, w, None, config=config, interpret=False)
+        fn = lambda x, w: gemv(x, w, None, config=config, interpret=False)
         args = S((m, D), BF16), S((D, F), BF16)
     module = export_for_cuda(fn, *args)
-    assert "twell_gate_gemv" in module
+    assert "twell_gemv" in module

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gemv import gemv
+
 _K_MULTIPLE = 64  # the GEMM's contraction length is padded to this (tensor-core friendly)
 
 
@@ -31,3 +33,25 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> j
     ones = jnp.zeros((m, pad), x.dtype).at[:, 0].set(1)
     rows = jnp.zeros((pad, w.shape[1]), w.dtype).at[0].set(bias.astype(w.dtype))
     return jnp.dot(jnp.concatenate([x, ones], axis=1), jnp.concatenate([w, rows], axis=0))
+
+
+@jax.custom_vjp
+def few_rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` for x [M, K] with M <= 64 rows (``pallas_kernels.gemv``), w [K, N] of x's
+    dtype: [M, N] in x.dtype, float32 accumulation. Differentiable: the backward is XLA's
+    (dx = dy @ w^T, dw = x^T @ dy), so a small training batch can take this path too."""
+    return gemv(x, w, None)
+
+
+def _few_rows_fwd(x, w):
+    return gemv(x, w, None), (x, w)
+
+
+def _few_rows_bwd(residuals, dy):
+    x, w = residuals
+    dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.dot(x.T, dy, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+few_rows_matmul.defvjp(_few_rows_fwd, _few_rows_bwd)

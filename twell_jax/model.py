@@ -47,8 +47,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from pallas_kernels.common import default_interpret
+from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
+from twell_jax.dense import few_rows_matmul
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Implementation
 from twell_jax.ffn import RESIDUALS_NAME, FFNStats
 
@@ -97,6 +100,12 @@ class ModelConfig:
       norm_eps: epsilon of every RMSNorm.
       tie_embeddings: the output projection is the embedding's transpose; False gives the
         model a separate ``lm_head`` [D, V].
+      decode_kernels: calls with at most 64 token rows (decode steps) run the attention's
+        projections on the Pallas GEMV kernel (``pallas_kernels.gemv``): XLA turns those
+        vector-matrix products into slow column reductions. None (default): exactly when a
+        GPU is present (interpret mode on a CPU would only be slower); True forces them
+        (interpret mode without a GPU: how the tests run them); False keeps plain XLA.
+        The FFN's own decode path is its implementation's business.
     """
 
     vocab_size: int
@@ -116,6 +125,7 @@ class ModelConfig:
     embed_scale: bool = True
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
+    decode_kernels: bool | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "max_seq_len"):
@@ -143,6 +153,9 @@ class ModelConfig:
         for name in ("remat", "gate_bias", "embed_scale", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.decode_kernels is not None and not isinstance(self.decode_kernels, bool):
+            raise TypeError(f"decode_kernels must be None or a bool, got "
+                            f"{self.decode_kernels!r}")
         kv = self.n_kv_heads
         if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0
                                or self.n_heads % kv):
@@ -154,6 +167,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def uses_decode_kernels(self) -> bool:
+        """``decode_kernels`` resolved: None means exactly when a GPU is present."""
+        return not default_interpret() if self.decode_kernels is None else self.decode_kernels
 
     @property
     def kv_heads(self) -> int:
@@ -276,6 +294,7 @@ class Attention(nnx.Module):
         d = cfg.d_model
         self.n_heads, self.head_dim, self.dtype = cfg.n_heads, cfg.head_dim, cfg.dtype
         self.n_kv_heads = cfg.kv_heads
+        self.decode_kernels = cfg.uses_decode_kernels
         self.w_q = _dense(rngs, d, d, cfg, ("embed", "heads"))
         self.w_k = _dense(rngs, d, cfg.kv_heads * cfg.head_dim, cfg, ("embed", "heads"))
         self.w_v = _dense(rngs, d, cfg.kv_heads * cfg.head_dim, cfg, ("embed", "heads"))
@@ -284,15 +303,22 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         return self.prefill(x, cos, sin)[0]
 
+    def _matmul(self, x: jax.Array, w: nnx.Param) -> jax.Array:
+        """x [B, T, K] @ w [K, N] -> [B, T, N] in the compute dtype (float32 accumulation);
+        at most ``GEMV_MAX_ROWS`` rows on the GEMV kernel when ``decode_kernels``."""
+        b, t, k = x.shape
+        x, w = x.astype(self.dtype), w[...].astype(self.dtype)
+        if self.decode_kernels and b * t <= GEMV_MAX_ROWS:
+            return few_rows_matmul(x.reshape(b * t, k), w).reshape(b, t, -1)
+        return jnp.dot(x, w, preferred_element_type=_F32).astype(self.dtype)
+
     def _project(self, x: jax.Array, w: nnx.Param, heads: int) -> jax.Array:
         b, t, _ = x.shape
-        y = jnp.dot(x, w[...].astype(self.dtype), preferred_element_type=_F32)
-        return y.astype(self.dtype).reshape(b, t, heads, self.head_dim)
+        return self._matmul(x, w).reshape(b, t, heads, self.head_dim)
 
     def _output(self, out: jax.Array) -> jax.Array:
         b, t = out.shape[:2]
-        return jnp.dot(out.reshape(b, t, -1), self.w_o[...].astype(self.dtype),
-                       preferred_element_type=_F32).astype(self.dtype)
+        return self._matmul(out.reshape(b, t, -1), self.w_o)
 
     def prefill(self, x: jax.Array, cos: jax.Array,
                 sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

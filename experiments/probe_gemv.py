@@ -6,7 +6,7 @@ For M in (1, 8, 64) rows, D = 2048, F = 5632, bf16 (23 MB of weights), bias a th
 * ``xla gate_pre_activation``: ``twell_jax.dense.gate_pre_activation`` (the current path: XLA's
   dot with a float32 output, the bias added before one rounding to bf16);
 * ``xla jnp.dot f32``: a plain ``jnp.dot(x, w, preferred_element_type=float32)``;
-* ``gate_gemv ...``: ``pallas_kernels.gate_gemv`` under several configs (the default first, then
+* ``gemv ...``: ``pallas_kernels.gemv`` under several configs (the default first, then
   a sweep of column blocks, D steps, D splits, dot or broadcast product, warps and stages);
 * ``loop overhead``: the same loop with an identity in place of the product.
 
@@ -20,10 +20,10 @@ of the outputs (not folded for floats: no call is hoisted or dropped). Per call 
 that fails to compile or run is recorded with its error; the sweep goes on. Sweep configs past
 their M's share of ``--budget-s`` are recorded as skipped.
 
-    python experiments/probe_gate_gemv.py           # H100, ~1-2 minutes
-    python experiments/probe_gate_gemv.py --smoke   # CPU, interpret mode, tiny shapes
+    python experiments/probe_gemv.py           # H100, ~1-2 minutes
+    python experiments/probe_gemv.py --smoke   # CPU, interpret mode, tiny shapes
 
-Rows go to ``$OUT/gate_gemv_probe.jsonl`` (the current directory when $OUT is unset); a table is
+Rows go to ``$OUT/gemv_probe.jsonl`` (the current directory when $OUT is unset); a table is
 printed last.
 """
 
@@ -43,16 +43,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels.gate_gemv import (GateGemvConfig, default_gate_gemv_config,  # noqa: E402
-                                      gate_gemv)
+from pallas_kernels.gemv import (GemvConfig, default_gemv_config,  # noqa: E402
+                                      gemv)
 from twell_jax.dense import gate_pre_activation  # noqa: E402
 
 LAYERS = 4
 THRESHOLD = 2.576  # P(N(0, 1) > 2.576) = 0.5%
 
 
-def cfg(block_f, block_k, k_splits, use_dot, num_warps=4, num_stages=3) -> GateGemvConfig:
-    return GateGemvConfig(block_f=block_f, block_k=block_k, k_splits=k_splits, use_dot=use_dot,
+def cfg(block_f, block_k, k_splits, use_dot, num_warps=4, num_stages=3) -> GemvConfig:
+    return GemvConfig(block_f=block_f, block_k=block_k, k_splits=k_splits, use_dot=use_dot,
                           num_warps=num_warps, num_stages=num_stages)
 
 
@@ -91,7 +91,7 @@ SWEEP = {
 }
 
 
-def describe(config: GateGemvConfig) -> str:
+def describe(config: GemvConfig) -> str:
     kind = "dot" if config.use_dot else "bcast"
     return (f"{kind} bf{config.block_f} bk{config.block_k} s{config.k_splits} "
             f"w{config.num_warps} st{config.num_stages}")
@@ -133,10 +133,10 @@ def main() -> None:
     interpret = args.smoke or jax.default_backend() != "gpu"
     out_dir = os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, f"gate_gemv_probe_{d}x{f}.jsonl")
+    out_path = os.path.join(out_dir, f"gemv_probe_{d}x{f}.jsonl")
     calls = LAYERS * steps
     weight_bytes = d * f * 2
-    print(f"# probe_gate_gemv: device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+    print(f"# probe_gemv: device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"D={d} F={f} bf16, {steps} steps x {LAYERS} weight sets per loop, median of "
           f"{runs} loops, interpret={interpret}", flush=True)
 
@@ -170,11 +170,11 @@ def main() -> None:
             ("xla jnp.dot f32 (no bias)",
              lambda x, w, b: jnp.dot(x, w, preferred_element_type=jnp.float32), None, False),
         ]
-        default = default_gate_gemv_config(m, d, f)
+        default = default_gemv_config(m, d, f)
         sweep = [c for c in SWEEP.get(m, []) if c.block_f <= f]
         for i, config in enumerate([default] + sweep):
-            name = ("gate_gemv default " if i == 0 else "gate_gemv ") + describe(config)
-            fn = (lambda c: lambda x, w, b: gate_gemv(x, w, b, config=c,
+            name = ("gemv default " if i == 0 else "gemv ") + describe(config)
+            fn = (lambda c: lambda x, w, b: gemv(x, w, b, config=c,
                                                       interpret=interpret))(config)
             variants.append((name, fn, config, True))
         variants.append(("loop overhead (identity)",

@@ -1,6 +1,6 @@
-"""``gate_gemv`` (the decode-sized gate product ``x @ w + bias``) against numpy float64 and its
+"""``gemv`` (the decode-sized gate product ``x @ w + bias``) against numpy float64 and its
 jnp reference, in interpret mode on the CPU (compiled on a GPU: ``tests/test_lowering.py`` checks
-the Triton lowering, ``experiments/probe_gate_gemv.py`` times it)."""
+the Triton lowering, ``experiments/probe_gemv.py`` times it)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gate_gemv import (GateGemvConfig, default_gate_gemv_config, gate_gemv,
-                                      gate_gemv_reference)
+from pallas_kernels.gemv import (GemvConfig, default_gemv_config, gemv,
+                                      gemv_reference)
 from tests.utils import assert_close, seed_of
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
@@ -39,28 +39,28 @@ def numpy_gate(x, w, b) -> np.ndarray:
 # Configs cover the broadcast product and the dot, one and several D splits (an uneven split
 # count too), and the default.
 CASES = [
-    (1, 96, 200, GateGemvConfig(block_f=64, block_k=32, k_splits=2, num_warps=1)),
+    (1, 96, 200, GemvConfig(block_f=64, block_k=32, k_splits=2, num_warps=1)),
     (3, 320, 600, None),
-    (8, 200, 300, GateGemvConfig(block_f=128, block_k=16, k_splits=5, use_dot=False)),
-    (8, 160, 250, GateGemvConfig(block_f=64, block_k=32, use_dot=True, num_stages=1)),
-    (17, 320, 600, GateGemvConfig(block_f=128, block_k=64, k_splits=1)),
-    (64, 96, 200, GateGemvConfig(block_f=64, block_k=32, k_splits=2)),
+    (8, 200, 300, GemvConfig(block_f=128, block_k=16, k_splits=5, use_dot=False)),
+    (8, 160, 250, GemvConfig(block_f=64, block_k=32, use_dot=True, num_stages=1)),
+    (17, 320, 600, GemvConfig(block_f=128, block_k=64, k_splits=1)),
+    (64, 96, 200, GemvConfig(block_f=64, block_k=32, k_splits=2)),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", ["none", "threshold"])
 @pytest.mark.parametrize("m,d,f,config", CASES)
-def test_gate_gemv_matches_numpy_and_reference(m, d, f, config, bias, dtype):
-    rng = np.random.default_rng(seed_of("gate_gemv", m, d, f, bias, str(dtype)))
+def test_gemv_matches_numpy_and_reference(m, d, f, config, bias, dtype):
+    rng = np.random.default_rng(seed_of("gemv", m, d, f, bias, str(dtype)))
     x, w, b = make_inputs(m, d, f, dtype, bias, rng)
-    pre = gate_gemv(x, w, b, config=config)
+    pre = gemv(x, w, b, config=config)
     assert pre.shape == (m, f) and pre.dtype == dtype
     want = numpy_gate(x, w, b)
-    assert_close(pre, want, dtype, kind="ffn", what="gate_gemv vs numpy float64")
-    ref = gate_gemv_reference(x, w, b)
+    assert_close(pre, want, dtype, kind="ffn", what="gemv vs numpy float64")
+    ref = gemv_reference(x, w, b)
     assert ref.dtype == dtype
-    assert_close(pre, ref, dtype, kind="kernel", what="gate_gemv vs reference")
+    assert_close(pre, ref, dtype, kind="kernel", what="gemv vs reference")
     if dtype == jnp.bfloat16:  # both round one float32 sum (only the order differs) to bf16
         same = np.mean(np.asarray(pre, np.float32) == np.asarray(ref, np.float32))
         assert same >= 0.9, f"only {same:.1%} of the outputs equal the reference's"
@@ -72,27 +72,27 @@ def test_gate_gemv_matches_numpy_and_reference(m, d, f, config, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gate_gemv_random_bias_jitted(dtype):
+def test_gemv_random_bias_jitted(dtype):
     m, d, f = 5, 130, 260
     rng = np.random.default_rng(seed_of("gate_gemv_random_bias", str(dtype)))
     x, w, b = make_inputs(m, d, f, dtype, "random", rng)
-    config = GateGemvConfig(block_f=64, block_k=32, k_splits=3, use_dot=True)
-    pre = jax.jit(lambda *a: gate_gemv(*a, config=config))(x, w, b)
+    config = GemvConfig(block_f=64, block_k=32, k_splits=3, use_dot=True)
+    pre = jax.jit(lambda *a: gemv(*a, config=config))(x, w, b)
     assert_close(pre, numpy_gate(x, w, b), dtype, kind="ffn", what="jitted, random bias")
-    assert_close(pre, gate_gemv_reference(x, w, b), dtype, kind="kernel")
+    assert_close(pre, gemv_reference(x, w, b), dtype, kind="kernel")
 
 
 @pytest.mark.parametrize("config", [
-    GateGemvConfig(block_f=64, block_k=32, k_splits=3, use_dot=False),
-    GateGemvConfig(block_f=64, block_k=32, k_splits=1, use_dot=True),
+    GemvConfig(block_f=64, block_k=32, k_splits=3, use_dot=False),
+    GemvConfig(block_f=64, block_k=32, k_splits=1, use_dot=True),
 ], ids=["split_sum", "dot_fused"])
-def test_gate_gemv_nan_propagates(config):
+def test_gemv_nan_propagates(config):
     """A NaN in a row of x makes that row's outputs NaN (and only that row's)."""
     m, d, f = 4, 100, 150
     rng = np.random.default_rng(seed_of("gate_gemv_nan"))
     x, w, b = make_inputs(m, d, f, jnp.bfloat16, "threshold", rng)
     x = x.at[2, 57].set(jnp.nan)
-    pre = np.asarray(gate_gemv(x, w, b, config=config), np.float32)
+    pre = np.asarray(gemv(x, w, b, config=config), np.float32)
     assert np.all(np.isnan(pre[2]))
     keep = np.array([0, 1, 3])
     assert_close(pre[keep], numpy_gate(x[keep], w, b), jnp.bfloat16, what="rows without NaN")
@@ -102,11 +102,11 @@ def test_default_config():
     """Valid at every decode size; D splits only where the partial sums stay small."""
     for m in range(1, 65):
         for d, f in [(2048, 5632), (320, 600), (96, 200), (5, 7)]:
-            config = default_gate_gemv_config(m, d, f)
+            config = default_gemv_config(m, d, f)
             assert config.dot_for(m) == (m >= 16)
             partial_bytes = config.k_splits * m * f * 4 if config.k_splits > 1 else 0
             assert partial_bytes <= d * f * 2 / 8, (m, d, f, config)
-    config = default_gate_gemv_config(1, 2048, 5632)
+    config = default_gemv_config(1, 2048, 5632)
     assert -(-5632 // config.block_f) * config.k_splits >= 264
 
 
@@ -127,15 +127,15 @@ def test_bad_inputs():
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
-            gate_gemv(*args)
+            gemv(*args)
         with pytest.raises(ValueError, match=message):
-            gate_gemv_reference(*args)
+            gemv_reference(*args)
     with pytest.raises(ValueError, match="dot needs"):  # use_dot=None: a dot from 16 rows
-        gate_gemv(jnp.zeros((16, 32), jnp.bfloat16), w, b,
-                  config=GateGemvConfig(block_f=64, block_k=8))
+        gemv(jnp.zeros((16, 32), jnp.bfloat16), w, b,
+                  config=GemvConfig(block_f=64, block_k=8))
     for kwargs, message in [({"block_f": 100}, "block_f"), ({"block_k": 0}, "block_k"),
                             ({"k_splits": 0}, "k_splits"), ({"num_stages": 0}, "num_stages"),
                             ({"num_warps": 3}, "num_warps"), ({"use_dot": 1}, "use_dot"),
                             ({"use_dot": True, "block_k": 8}, "use_dot needs")]:
         with pytest.raises(ValueError, match=message):
-            GateGemvConfig(**kwargs)
+            GemvConfig(**kwargs)

@@ -1,9 +1,12 @@
-"""The gate product at decode sizes: ``pre = x @ w + bias`` for few token rows (M <= 64).
+"""Products with few token rows: ``x @ w + bias`` for M <= 64 (decode steps).
 
 With M rows and a [D, F] weight matrix the product is a matrix-vector product in disguise:
 2 M D F flops against 2 D F bytes of bf16 weights, so at M <= 64 it is bound by reading the
-weights once (D = 2048, F = 5632: 23 MB, 6.9 us at an H100's 3.35 TB/s). XLA's dot takes about
-twice that there. This kernel is built around the weight read:
+weights once (D = 2048, F = 5632: 23 MB, 6.9 us at an H100's 3.35 TB/s). XLA does poorly there
+(H100, batch 1, BENCHMARKS.md): the FFN gate's dot takes 12.5-22 us, and the attention
+projections' [1, 2048] x [2048, 2048] dots become column-reduction fusions at 300-770 GB/s.
+The sparse FFN's decode path runs its gate product here, and the model's attention projections
+at decode. This kernel is built around the weight read:
 
 * The grid is (column blocks of F, K splits). Program (j, s) reads the [block_k, block_f]
   tiles of ``w`` (row-major [D, F]: each tile row is ``block_f`` contiguous values, so loads
@@ -39,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_config, next_pow2, resolve_interpret
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-_MAX_ROWS = 64  # the x rows are one tile; more rows want a GEMM, not this kernel
+MAX_ROWS = 64  # the x rows are one tile; more rows want a GEMM, not this kernel
 
 
 def _load(ref, mask):
@@ -49,7 +52,7 @@ def _load(ref, mask):
     return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
 
 
-def _gate_gemv_kernel(*refs, m: int, d: int, f: int, m_pad: int, block_k: int, block_f: int,
+def _gemv_kernel(*refs, m: int, d: int, f: int, m_pad: int, block_k: int, block_f: int,
                       steps: int, use_dot: bool, has_bias: bool, fused: bool, mask_k: bool,
                       mask_f: bool, precision):
     """One program: columns [j * block_f, +block_f) for j = ``program_id(0)`` and D rows
@@ -104,8 +107,8 @@ def _gate_gemv_kernel(*refs, m: int, d: int, f: int, m_pad: int, block_k: int, b
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GateGemvConfig:
-    """Knobs of :func:`gate_gemv`.
+class GemvConfig:
+    """Knobs of :func:`gemv`.
 
     Attributes:
       block_f: columns of F per program (power of two); the grid's first axis is
@@ -149,14 +152,14 @@ def _pick_splits(total_steps: int, wanted: int, cap: int) -> int:
     return next((q for q in divisors if q >= wanted), divisors[-1])
 
 
-def default_gate_gemv_config(m: int, d: int, f: int) -> GateGemvConfig:
+def default_gemv_config(m: int, d: int, f: int) -> GemvConfig:
     """~2 programs per SM of an H100 (264) where the partial sums allow it.
 
     Below 16 rows: 128-column blocks, a broadcast product of at most 8K float32 values per step
     (block_k = 8192 / (M_pad * 128), at least 8). From 16 rows: a dot, 64-column blocks and
     64-row steps. K splits: enough for 264 programs, at most D / (16 M) (partial-sum traffic
     <= ~1/8 of the weight bytes), a divisor of the step count (every split the same length).
-    Not yet tuned on a GPU: ``experiments/probe_gate_gemv.py`` sweeps the knobs.
+    Not yet tuned on a GPU: ``experiments/probe_gemv.py`` sweeps the knobs.
     """
     use_dot = m >= 16
     m_pad = max(16, next_pow2(m)) if use_dot else next_pow2(m)
@@ -171,13 +174,13 @@ def default_gate_gemv_config(m: int, d: int, f: int) -> GateGemvConfig:
     total_steps = -(-d // block_k)
     wanted = -(-264 // blocks)
     cap = max(1, d // (16 * max(m, 1)))
-    return GateGemvConfig(block_f=block_f, block_k=block_k,
+    return GemvConfig(block_f=block_f, block_k=block_k,
                           k_splits=_pick_splits(total_steps, wanted, cap),
                           use_dot=use_dot, num_warps=4, num_stages=3)
 
 
 def _check_args(x, w, bias) -> tuple[int, int, int]:
-    """Shapes and dtypes of :func:`gate_gemv`'s inputs; returns (M, D, F)."""
+    """Shapes and dtypes of :func:`gemv`'s inputs; returns (M, D, F)."""
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [M, D], got shape {x.shape}")
     if w.ndim != 2:
@@ -186,8 +189,8 @@ def _check_args(x, w, bias) -> tuple[int, int, int]:
     if w.shape[0] != d:
         raise ValueError(f"w has shape {w.shape}, expected ({d}, F) for x of shape {x.shape}")
     f = w.shape[1]
-    if not 1 <= m <= _MAX_ROWS:
-        raise ValueError(f"gate_gemv takes 1 to {_MAX_ROWS} rows, got M={m}")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got M={m}")
     if d < 1 or f < 1:
         raise ValueError(f"empty operands: x {x.shape}, w {w.shape}")
     if jnp.dtype(x.dtype) not in _DTYPES:
@@ -202,12 +205,12 @@ def _check_args(x, w, bias) -> tuple[int, int, int]:
     return m, d, f
 
 
-def gate_gemv(
+def gemv(
     x: jax.Array,
     w: jax.Array,
     bias: jax.Array | None,
     *,
-    config: GateGemvConfig | None = None,
+    config: GemvConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """``x @ w + bias`` for few rows, float32 accumulation, rounded once to x.dtype.
@@ -216,7 +219,7 @@ def gate_gemv(
       x: [M, D] with 1 <= M <= 64; bfloat16, float16 or float32.
       w: [D, F] row-major, x's dtype.
       bias: [F] (any float dtype, added in float32 before the rounding) or None.
-      config: ``default_gate_gemv_config(M, D, F)`` when None. D and F need not be multiples
+      config: ``default_gemv_config(M, D, F)`` when None. D and F need not be multiples
         of the blocks.
       interpret: run the Pallas interpreter (None: iff no GPU).
     Returns:
@@ -224,7 +227,7 @@ def gate_gemv(
       ``twell_jax.dense.gate_pre_activation`` computes it for decode-sized M.
     """
     m, d, f = _check_args(x, w, bias)
-    config = default_gate_gemv_config(m, d, f) if config is None else config
+    config = default_gemv_config(m, d, f) if config is None else config
     use_dot = config.dot_for(m)
     if use_dot and min(config.block_k, config.block_f) < 16:
         raise ValueError(f"the dot needs block_k and block_f >= 16, got {config}")
@@ -237,7 +240,7 @@ def gate_gemv(
     has_bias = bias is not None
     precision = (jax.lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None)
     kernel = functools.partial(
-        _gate_gemv_kernel, m=m, d=d, f=f, m_pad=m_pad, block_k=config.block_k,
+        _gemv_kernel, m=m, d=d, f=f, m_pad=m_pad, block_k=config.block_k,
         block_f=config.block_f, steps=steps, use_dot=use_dot, has_bias=has_bias and fused,
         fused=fused, mask_k=splits * steps * config.block_k != d,
         mask_f=blocks * config.block_f != f, precision=precision)
@@ -251,7 +254,7 @@ def gate_gemv(
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=resolve_interpret(interpret),
-        name="twell_gate_gemv",
+        name="twell_gemv",
     )(*inputs)
     if fused:
         return out
@@ -261,8 +264,8 @@ def gate_gemv(
     return pre.astype(x.dtype)
 
 
-def gate_gemv_reference(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
-    """Plain-jnp :func:`gate_gemv` (same arguments and output): a float32 dot at highest
+def gemv_reference(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """Plain-jnp :func:`gemv` (same arguments and output): a float32 dot at highest
     precision plus the float32 bias, rounded once to x.dtype."""
     _check_args(x, w, bias)
     pre = jnp.dot(x, w, preferred_element_type=jnp.float32,
