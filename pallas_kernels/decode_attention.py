@@ -139,7 +139,8 @@ class DecodeAttentionConfig:
       block_s: cache positions per program (power of two); the grid is
         (B, Nkv, ceil(S / block_s)).
       block_k: rows of K and V loaded at once within a program (power of two, 16 <= block_k
-        <= block_s); None: ``min(block_s, max(16, 8192 // H_pad))`` (~8K values per tile).
+        <= block_s); None: ``min(block_s, max(16, 4096 // H_pad))`` (~4K values per tile: 64
+        rows at H = 64, 32 values of K and of V per thread at 4 warps).
       num_warps: Triton warps per program.
       num_stages: Triton software-pipelining stages of the loop over a chunk's row blocks.
     """
@@ -162,12 +163,12 @@ class DecodeAttentionConfig:
     def rows_per_tile(self, h_pad: int) -> int:
         if self.block_k is not None:
             return self.block_k
-        return min(self.block_s, max(16, 8192 // h_pad))
+        return min(self.block_s, max(16, 4096 // h_pad))
 
 
 def default_decode_attention_config(b: int, s: int, n_kv: int, h: int) -> DecodeAttentionConfig:
     """~512 programs (about 4 per SM of an H100) when (B, Nkv) pairs are fewer: S is split into
-    power-of-two chunks of 64 to 1024 positions. Tiles of ~8K values (128 rows at H = 64).
+    power-of-two chunks of 64 to 1024 positions; tiles of ~4K values (64 rows at H = 64).
     A guess before the H100 probe (experiments/probe_decode_attention.py)."""
     chunks = max(1, -(-512 // max(b * n_kv, 1)))
     block_s = min(1024, max(64, next_pow2(-(-s // chunks))))
