@@ -11,7 +11,8 @@ time: loads the [block_k, H] tiles of K and V of its head (rows strided by Nkv *
 the position and at S, so nothing after the position is read and garbage there cannot leak in),
 and keeps an online softmax per query head: running max m, sum of exponentials l and the
 unnormalized output acc, all float32. G < 16: the scores of each head are a broadcast product
-summed over H (the K and V tiles are loaded once for the G heads); G >= 16: two dots. A
+summed over H (the K and V tiles are loaded once for the G heads); G >= 16: two float32 dots
+at HIGHEST precision (correct, not tuned: no bf16 tensor-core path yet). A
 program whose chunk starts after the position reads nothing (a ``cond`` in the kernel) and
 writes the neutral partial (m = -inf, l = 0, acc = 0). The wrapper combines the chunks' partials
 with the log-sum-exp rule in a fixed order (deterministic).
