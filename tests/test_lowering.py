@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention
 from pallas_kernels.gemv import GemvConfig, gemv
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import RowUpDownConfig, row_up_down
@@ -89,6 +90,18 @@ def test_scan_up_down_lowers(gated, m, config):
                                               interpret=False)
         module = export_for_cuda(fn, S((m, F), BF16), w)
     assert "twell_scan_up_down" in module
+
+
+@pytest.mark.parametrize("config", [None, DecodeAttentionConfig(block_s=64, block_k=32, num_warps=2,
+                                                                num_stages=3)])
+@pytest.mark.parametrize("b,s,n,n_kv,h", [(1, 2048, 32, 32, 64), (3, 100, 8, 2, 64),
+                                          (2, 100, 16, 1, 128), (1, 100, 6, 2, 24)],
+                         ids=["mha", "gqa", "dot", "padded"])
+def test_decode_attention_lowers(b, s, n, n_kv, h, config):
+    cache = S((b, s, n_kv, h), BF16)
+    fn = lambda q, k, v, pos: decode_attention(q, k, v, pos, config=config, interpret=False)
+    module = export_for_cuda(fn, S((b, n, h), BF16), cache, cache, S((b,), jnp.int32))
+    assert "twell_decode_attention" in module
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
