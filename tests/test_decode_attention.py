@@ -1,5 +1,5 @@
 """``decode_attention`` (flash-decoding over a KV cache) against numpy float64 and its jnp
-reference (the model's XLA version), in interpret mode on the CPU (compiled on a GPU)."""
+reference (the model's XLA path), in interpret mode on the CPU (compiled on a GPU)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from pallas_kernels.decode_attention import (DecodeAttentionConfig, combine_partials,
                                              decode_attention, decode_attention_reference,
                                              default_decode_attention_config)
-from twell_jax import model
 from tests.utils import assert_close, seed_of
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -69,8 +68,6 @@ def test_decode_attention_matches_numpy_and_reference(b, s, n, n_kv, h, position
     assert_close(got, want, dtype, kind="kernel", what="kernel vs float64")
     assert_close(ref, want, dtype, kind="kernel", what="reference vs float64")
     assert_close(got, ref, dtype, kind="kernel", what="kernel vs reference")
-    np.testing.assert_array_equal(np.asarray(ref, np.float32),
-                                  np.asarray(model.decode_attention(q, k, v, pos), np.float32))
 
 
 @pytest.mark.parametrize("n,n_kv", [(8, 2), (16, 1)], ids=["gqa", "dot"])

@@ -48,6 +48,8 @@ import optax
 from flax import nnx
 
 from pallas_kernels.common import default_interpret
+from pallas_kernels.decode_attention import decode_attention as decode_attention_kernel
+from pallas_kernels.decode_attention import decode_attention_reference
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
@@ -100,12 +102,14 @@ class ModelConfig:
       norm_eps: epsilon of every RMSNorm.
       tie_embeddings: the output projection is the embedding's transpose; False gives the
         model a separate ``lm_head`` [D, V].
-      decode_kernels: calls with at most 64 token rows (decode steps) run the attention's
-        projections on the Pallas GEMV kernel (``pallas_kernels.gemv``): XLA turns those
-        vector-matrix products into slow column reductions. None (default): exactly when a
-        GPU is present (interpret mode on a CPU would only be slower); True forces them
-        (interpret mode without a GPU: how the tests run them); False keeps plain XLA.
-        The FFN's own decode path is its implementation's business.
+      decode_kernels: the attention of calls with at most 64 token rows (decode steps) runs on
+        Pallas kernels: the projections on the GEMV kernel (``pallas_kernels.gemv``; XLA turns
+        those vector-matrix products into slow column reductions) and, in ``decode_step``, the
+        attention over the cache on the flash-decoding kernel
+        (``pallas_kernels.decode_attention``: it reads only the filled positions). None
+        (default): exactly when a GPU is present (interpret mode on a CPU would only be
+        slower); True forces them (interpret mode without a GPU: how the tests run them);
+        False keeps plain XLA. The FFN's own decode path is its implementation's business.
     """
 
     vocab_size: int
@@ -344,32 +348,28 @@ class Attention(nnx.Module):
         rows = jnp.arange(x.shape[0])
         cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
         cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
-        out = decode_attention(q[:, 0], cache_k, cache_v, positions)
+        out = decode_attention(q[:, 0], cache_k, cache_v, positions, kernel=self.decode_kernels)
         return self._output(out[:, None]), cache_k, cache_v
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     positions: jax.Array) -> jax.Array:
-    """Attention of one query per sequence over a KV cache, in plain XLA (a masked softmax).
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
+                     kernel: bool = False) -> jax.Array:
+    """Attention of one query per sequence over a KV cache.
 
     Args:
       q: [B, N, H] queries (rotated).
       k, v: [B, S, Nkv, H] caches (Nkv divides N: grouped-query attention).
       positions: [B] int, the query's position; cache entries after it are masked out.
+      kernel: the Pallas flash-decoding kernel (``pallas_kernels.decode_attention``: reads
+        only the entries up to each position; probabilities kept in float32) instead of plain
+        XLA (a masked softmax over the whole cache, probabilities rounded to v's dtype before
+        the weighted sum, as ``jax.nn.dot_product_attention``'s XLA path).
     Returns:
-      [B, N, H] in q's dtype. Scores and softmax in float32, as ``jax.nn.dot_product_attention``'s
-      XLA path: its probabilities are rounded to v's dtype before the weighted sum.
+      [B, N, H] in q's dtype.
     """
-    b, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    dtype = q.dtype
-    q = q.reshape(b, kv_heads, n // kv_heads, h).astype(k.dtype)
-    scores = jnp.einsum("bkgh,bskh->bkgs", q, k, preferred_element_type=_F32) / math.sqrt(h)
-    valid = jnp.arange(s)[None, :] <= positions[:, None]
-    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgs,bskh->bkgh", probs, v, preferred_element_type=_F32)
-    return out.reshape(b, n, h).astype(dtype)
+    if kernel:
+        return decode_attention_kernel(q, k, v, positions)
+    return decode_attention_reference(q, k, v, positions)
 
 
 class Block(nnx.Module):
