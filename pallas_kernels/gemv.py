@@ -43,6 +43,9 @@ from pallas_kernels.common import check_config, next_pow2, resolve_interpret
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_ROWS = 64  # the x rows are one tile; more rows want a GEMM, not this kernel
+# Callers use the kernel below this many rows: at 8 rows XLA's dot is as fast (H100: 12.4 us
+# against 12.7 for F = 5632, 5.6 against 5.9 for F = 2048); at 1 row it is 2-5x slower.
+FEW_ROWS = 8
 
 
 def _load(ref, mask):
@@ -145,38 +148,26 @@ class GemvConfig:
         return m >= 16 if self.use_dot is None else self.use_dot
 
 
-def _pick_splits(total_steps: int, wanted: int, cap: int) -> int:
-    """The smallest divisor of ``total_steps`` in [wanted, cap], else the largest <= cap
-    (1 at worst): splits of equal length, no masked tail."""
-    divisors = [q for q in range(1, min(cap, total_steps) + 1) if total_steps % q == 0]
-    return next((q for q in divisors if q >= wanted), divisors[-1])
-
-
 def default_gemv_config(m: int, d: int, f: int) -> GemvConfig:
-    """~2 programs per SM of an H100 (264) where the partial sums allow it.
+    """The fastest configs of ``experiments/probe_gemv.py`` on the H100 (BENCHMARKS.md, decode
+    kernels), D = 2048, bf16, per call:
 
-    Below 16 rows: 128-column blocks, a broadcast product of at most 8K float32 values per step
-    (block_k = 8192 / (M_pad * 128), at least 8). From 16 rows: a dot, 64-column blocks and
-    64-row steps. K splits: enough for 264 programs, at most D / (16 M) (partial-sum traffic
-    <= ~1/8 of the weight bytes), a divisor of the step count (every split the same length).
-    Not yet tuned on a GPU: ``experiments/probe_gemv.py`` sweeps the knobs.
-    """
-    use_dot = m >= 16
-    m_pad = max(16, next_pow2(m)) if use_dot else next_pow2(m)
-    if use_dot:
-        block_f, block_k = 64, 64
+    * M < 16: the dot on x padded to 16 rows, 128-column blocks, 64-row steps, D split 8 ways:
+      M = 1, F = 5632: 8.1 us of kernel (XLA's dot 15.8); F = 2048: ~2 us (XLA ~11.7, a column
+      reduction). The broadcast product was slower at every M (30 us at M = 8).
+    * M >= 16: 64-column blocks, 128-row steps, D split 2 ways: M = 64, F = 5632 ~11 us (XLA's
+      12.3).
+
+    Blocks shrink to the operands' sizes; the splits never exceed D's steps."""
+    if m >= 16:
+        block_f, block_k, k_splits = 64, 128, 2
     else:
-        block_f = 128
-        block_k = max(8, 8192 // (m_pad * block_f))
+        block_f, block_k, k_splits = 128, 64, 8
     block_f = min(block_f, max(16, next_pow2(f)))
-    block_k = min(block_k, max(16 if use_dot else 1, next_pow2(d)))
-    blocks = -(-f // block_f)
-    total_steps = -(-d // block_k)
-    wanted = -(-264 // blocks)
-    cap = max(1, d // (16 * max(m, 1)))
+    block_k = min(block_k, max(16, next_pow2(d)))
     return GemvConfig(block_f=block_f, block_k=block_k,
-                          k_splits=_pick_splits(total_steps, wanted, cap),
-                          use_dot=use_dot, num_warps=4, num_stages=3)
+                      k_splits=max(1, min(k_splits, -(-d // block_k))), use_dot=True,
+                      num_warps=4, num_stages=3)
 
 
 def _check_args(x, w, bias) -> tuple[int, int, int]:

@@ -184,10 +184,10 @@ def test_gate_bias_params_features_and_activity():
 
 
 def test_decode_kernels_differentiable():
-    """A training batch of at most 64 token rows with ``decode_kernels`` takes the GEMV kernel
-    in the attention projections (interpret mode here); its loss and gradients are the plain
-    XLA model's (the kernel's backward is XLA's)."""
-    x = tokens()  # 2 x 24 = 48 rows read by the model
+    """A training batch of fewer than 8 token rows with ``decode_kernels`` takes the GEMV
+    kernel in the attention projections (interpret mode here); its loss and gradients are the
+    plain XLA model's (the kernel's backward is XLA's)."""
+    x = tokens((1, 7))  # 6 rows read by the model
     results = {}
     for flag in (False, True):
         model = model_lib.build("tiny", implementation="xla", dtype=jnp.float32,

@@ -50,7 +50,7 @@ from flax import nnx
 from pallas_kernels.common import default_interpret
 from pallas_kernels.decode_attention import decode_attention as decode_attention_kernel
 from pallas_kernels.decode_attention import decode_attention_reference
-from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+from pallas_kernels.gemv import FEW_ROWS as GEMV_FEW_ROWS
 from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
 from twell_jax.dense import few_rows_matmul
@@ -102,9 +102,9 @@ class ModelConfig:
       norm_eps: epsilon of every RMSNorm.
       tie_embeddings: the output projection is the embedding's transpose; False gives the
         model a separate ``lm_head`` [D, V].
-      decode_kernels: the attention of calls with at most 64 token rows (decode steps) runs on
-        Pallas kernels: the projections on the GEMV kernel (``pallas_kernels.gemv``; XLA turns
-        those vector-matrix products into slow column reductions) and, in ``decode_step``, the
+      decode_kernels: the attention of decode steps runs on Pallas kernels: projections of
+        fewer than 8 token rows on the GEMV kernel (``pallas_kernels.gemv``; XLA turns a
+        one-row product into a slow column reduction) and, in ``decode_step``, the
         attention over the cache on the flash-decoding kernel
         (``pallas_kernels.decode_attention``: it reads only the filled positions). None
         (default): exactly when a GPU is present (interpret mode on a CPU would only be
@@ -309,10 +309,10 @@ class Attention(nnx.Module):
 
     def _matmul(self, x: jax.Array, w: nnx.Param) -> jax.Array:
         """x [B, T, K] @ w [K, N] -> [B, T, N] in the compute dtype (float32 accumulation);
-        at most ``GEMV_MAX_ROWS`` rows on the GEMV kernel when ``decode_kernels``."""
+        fewer than ``GEMV_FEW_ROWS`` (8) rows on the GEMV kernel when ``decode_kernels``."""
         b, t, k = x.shape
         x, w = x.astype(self.dtype), w[...].astype(self.dtype)
-        if self.decode_kernels and b * t <= GEMV_MAX_ROWS:
+        if self.decode_kernels and b * t < GEMV_FEW_ROWS:
             return few_rows_matmul(x.reshape(b * t, k), w).reshape(b, t, -1)
         return jnp.dot(x, w, preferred_element_type=_F32).astype(self.dtype)
 
