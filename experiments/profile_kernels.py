@@ -4,6 +4,8 @@ For each preset and implementation it profiles two programs of the real model, w
 calibrated to ``--mean-nnz`` active units per token as in ``bench_model.py``:
 
 - prefill: the last position's logits of ``--prefill`` (B x T) tokens, as ``bench_model.py``;
+- train (``--train``): one training step (loss with the L1 term, backward, AdamW) as
+  ``bench_model.py`` times it, remat on;
 - decode: ``model.generation_steps`` (generate's jitted loop) for ``--decode-steps`` steps at
   batch ``--decode-batch`` after a prompt of ``--context`` minus those steps (bf16 parameters,
   as ``bench_generate.py``).
@@ -23,6 +25,7 @@ On a CPU there are no GPU kernels: the rows carry wall times only (used by the t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -34,6 +37,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +54,8 @@ class ProfileConfig:
     implementations: str = flag("xla,pallas", "comma list of implementations")
     mean_nnz: float = flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
     prefill: str = flag("8x2048", "prefill shape BxT ('' to skip)")
+    train: str = flag("", "training step shape BxT ('' to skip)")
+    l1_coeff: float = flag(1e-4, "L1 coefficient of the training loss")
     decode_batch: int = flag(1, "sequences in the decode loop (0 to skip decode)")
     context: int = flag(2048, "prompt + decode steps of the decode program")
     decode_steps: int = flag(32, "decode steps per profiled loop")
@@ -155,7 +161,7 @@ def profile(fn: Callable[[], object], runs: int) -> dict:
 def _model(preset: str, impl: str, cfg: ProfileConfig, biases: np.ndarray | None,
            param_dtype=jnp.float32) -> model_lib.Transformer:
     model = model_lib.build(preset, implementation=impl, gate_bias=True, param_dtype=param_dtype,
-                            seed=cfg.seed)
+                            remat=True, seed=cfg.seed)
     if biases is not None:
         for block, bias in zip(model.blocks, biases):
             block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
@@ -179,6 +185,30 @@ def prefill_program(model, tokens):
 
     return (lambda: prefill(state, tokens),
             lambda: prefill.lower(state, tokens).compile().as_text())
+
+
+def train_program(model, tokens, l1_coeff: float):
+    """(call, hlo): one AdamW training step on ``tokens`` [B, T + 1], jitted over the split
+    (model, optimizer) state, the state donated and carried from call to call."""
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, tokens):
+        m, opt = nnx.merge(graphdef, state)
+        (loss, _), grads = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)(m, tokens,
+                                                                               l1_coeff)
+        opt.update(m, grads)
+        return nnx.state((m, opt)), loss
+
+    hlo = step.lower(state, tokens).compile().as_text()  # before the state is donated
+    carry = {"state": state}
+
+    def call():
+        carry["state"], loss = step(carry["state"], tokens)
+        return loss
+
+    return call, lambda: hlo
 
 
 def decode_program(model, prompts, steps: int, context: int):
@@ -209,6 +239,11 @@ def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
             tokens = _tokens(mcfg.vocab_size, b, min(t, mcfg.max_seq_len), cfg.seed)
             programs.append(("prefill", jnp.float32, tokens,
                              lambda m, tok=tokens: prefill_program(m, tok)))
+        if cfg.train:
+            b, t = (int(v) for v in cfg.train.lower().split("x"))
+            tokens = _tokens(mcfg.vocab_size, b, min(t, mcfg.max_seq_len) + 1, cfg.seed)
+            programs.append(("train", jnp.float32, tokens[:, :-1],
+                             lambda m, tok=tokens: train_program(m, tok, cfg.l1_coeff)))
         if cfg.decode_batch:
             steps = min(cfg.decode_steps, cfg.context - 1)
             prompts = _tokens(mcfg.vocab_size, cfg.decode_batch, cfg.context - steps, cfg.seed)

@@ -1,0 +1,51 @@
+"""experiments/profile_kernels.py on the CPU: every program runs and is reported (there are no
+GPU kernels here, so the kernel tables are empty), and the trace arithmetic on made-up events."""
+
+import json
+
+import pytest
+
+from tests.utils import load_experiment
+
+
+@pytest.fixture(scope="module")
+def prof():
+    with load_experiment("profile_kernels") as module:
+        yield module
+
+
+def test_busy_time_is_the_union_of_intervals(prof):
+    events = [("a", 0.0, 10.0), ("b", 5.0, 10.0), ("c", 30.0, 5.0), ("d", 31.0, 1.0)]
+    assert prof.busy_ns(events) == 20.0  # [0, 15) and [30, 35)
+    assert prof.busy_ns([]) == 0.0
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("twell_row_up_down", "twell"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("gemm_fusion_dot_189", "gemm"),
+    ("input_reduce_fusion_55", "fusion"),
+    ("loop_dynamic_update_slice_fusion_2", "copy"),
+    ("memcpy128", "copy"),
+    ("set_case_condition", "other"),
+])
+def test_kernel_kinds(prof, name, kind):
+    assert prof.kind_of(name) == kind
+
+
+def test_every_program_reported(prof, tmp_path, capsys):
+    out = tmp_path / "profile.jsonl"
+    rows = prof.main(["--presets", "tiny", "--implementations", "xla,pallas", "--prefill",
+                      "2x16", "--train", "2x16", "--decode-batch", "2", "--context", "20",
+                      "--decode-steps", "2", "--runs", "1", "--hlo-dir", str(tmp_path / "hlo"),
+                      "--out", str(out)])
+    got = {(r["program"], r["implementation"]) for r in rows}
+    assert got == {(p, i) for p in ("prefill", "train", "decode") for i in ("xla", "pallas")}
+    for r in rows:
+        assert r["wall_ms"] > 0 and r["profiled_wall_ms"] > 0
+        assert r["kernels"] == [] and r["busy_ms"] == 0.0  # no GPU here
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["kind"] == "header" and len(lines) == 1 + len(rows)
+    assert len(list((tmp_path / "hlo").iterdir())) == 6
+    assert "tiny decode pallas (per step)" in capsys.readouterr().out
