@@ -55,3 +55,30 @@ def _few_rows_bwd(residuals, dy):
 
 
 few_rows_matmul.defvjp(_few_rows_fwd, _few_rows_bwd)
+
+
+@jax.custom_vjp
+def f32_output_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` with a float32 output (x [..., K], w [K, N] of x's dtype: the logits), whose
+    backward runs in x's dtype: the cotangent is rounded to x.dtype before the two backward
+    GEMMs, as mixed-precision training does. Plain autodiff would take the float32 cotangent
+    into float32 (TF32) GEMMs: on the H100 the 0.5b model's output layer's backward took 21 ms
+    of a 164 ms training step that way. With a float32 x nothing is rounded."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _f32_output_fwd(x, w):
+    return f32_output_matmul(x, w), (x, w)
+
+
+def _f32_output_bwd(residuals, dy):
+    x, w = residuals
+    dy = dy.astype(x.dtype)
+    dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    k = x.shape[-1]
+    dw = jnp.dot(x.reshape(-1, k).T, dy.reshape(-1, dy.shape[-1]),
+                 preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+f32_output_matmul.defvjp(_f32_output_fwd, _f32_output_bwd)
