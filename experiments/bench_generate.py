@@ -17,9 +17,10 @@ and a KV cache of ``context`` positions (bf16, the compute dtype):
   cache, prefill the B x P prompt batch, sample the first token, the FFN statistics), one
   jitted call, median over ``--runs`` after two warm-up calls.
 - decode: ``model.generation_steps`` (``generate``'s loop: one ``lax.while_loop`` of
-  N = new_tokens - 1 greedy decode steps, no host round trip per token, with the per-step FFN
-  statistics) from the state the prefill left. One call is timed whole, from dispatch to the tokens being
-  ready, median over ``--runs``; step time = call time / N, tokens/s = B * N / call time.
+  N = new_tokens - 1 greedy decode steps, no host round trip per token, without the FFN
+  statistics, as ``generate`` runs unless asked) from the state the prefill left; one more
+  call with statistics gives the active units per step. One call is timed whole, from
+  dispatch to the tokens being ready, median over ``--runs``; step time = call time / N, tokens/s = B * N / call time.
   The call's fixed costs (dispatch, copying the non-donated KV cache into the loop once) are
   included, not subtracted: they are what a caller of ``generate`` pays. Beside it, the same
   compiled loop stopped after one step (``decode_one_step_call_ms``) and the marginal step
@@ -206,18 +207,19 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
     key = jax.random.key(cfg.seed)
     stop = jnp.zeros((mcfg.vocab_size,), bool)  # no stop token: every sequence runs every step
 
-    def first_token():
+    def first_token():  # as generate runs it: no statistics
         return model_lib.generation_start(graphdef, state, prompts, lengths, key, stop,
-                                          sampling=sampling, cache_len=cfg.context)
+                                          sampling=sampling, cache_len=cfg.context, stats=False)
 
     ttft_compile_s = first_call_seconds(first_token)
     ttft = time_call(first_token, cfg.runs)
     decode_state, first, _ = first_token()
 
-    def decode(n: int = steps):
-        # n is traced and chunk static: every n runs the same compiled loop.
+    def decode(n: int = steps, stats: bool = False):
+        # n is traced and chunk static: every n runs the same compiled loop. Timed without
+        # statistics, as generate runs unless asked for them.
         return model_lib.generation_steps(graphdef, state, decode_state, jnp.int32(n),
-                                          sampling=sampling, chunk=steps)
+                                          sampling=sampling, chunk=steps, stats=stats)
 
     decode_compile_s = first_call_seconds(decode)
     sampler = PowerSampler()
@@ -226,7 +228,7 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
     # the loop, the output buffers) plus one step, so (T(N) - T(1)) / (N - 1) is the
     # marginal step time with the fixed costs taken out.
     one_step = time_call(lambda: decode(1), cfg.runs)
-    _, tokens, nnz = decode()
+    _, tokens, nnz = decode(stats=True)
     tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(tokens)], axis=1)  # [B, new]
     nnz = np.asarray(nnz)  # [steps, L]
 

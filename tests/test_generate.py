@@ -7,6 +7,7 @@ Compiles dominate on the CPU, so the tests share a few shapes: two prompts of 6 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 
 import jax
@@ -166,6 +167,33 @@ def test_sparse_implementations_decode_like_dense():
 # Sampling, stop tokens, chunks.
 
 SAMPLING = dict(temperature=0.9, top_k=50, top_p=0.95)
+
+
+def test_statistics_only_when_asked():
+    """generate computes the FFN statistics only with return_stats: the tokens are the same,
+    and the compiled decode loop without them has fewer reductions (the per-token counts')."""
+    model = model_lib.build("tiny", seed=1, implementation="reference", twell=ALL_SPARSE)
+    tokens, stats = model_lib.generate(model, PROMPTS, max_new_tokens=NEW, return_stats=True)
+    assert np.isfinite(stats["nnz_mean"]).all()
+    np.testing.assert_array_equal(
+        np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW)), np.asarray(tokens))
+    graphdef, state = nnx.split(model)
+    seqs, lengths = padded(PROMPTS, 6)
+    stop = jnp.zeros((model.cfg.vocab_size,), bool)
+    sampling = model_lib.Sampling()
+    compiled = {}
+    for flag in (False, True):
+        ds, _, nnz0 = model_lib.generation_start(graphdef, state, jnp.asarray(seqs),
+                                                 jnp.asarray(lengths), jax.random.key(0), stop,
+                                                 sampling=sampling, cache_len=WIDTH, stats=flag)
+        assert np.isnan(np.asarray(nnz0)).all() != flag
+        args = (graphdef, state, ds, jnp.int32(2))
+        kwargs = dict(sampling=sampling, chunk=2, stats=flag)
+        _, _, nnz = model_lib.generation_steps(*args, **kwargs)
+        assert np.isnan(np.asarray(nnz)).all() != flag
+        compiled[flag] = model_lib.generation_steps.lower(*args, **kwargs).compile().as_text()
+    reductions = {flag: len(re.findall(r" reduce\(", text)) for flag, text in compiled.items()}
+    assert reductions[False] < reductions[True], reductions
 
 
 def test_sampling_chunks_and_keys():

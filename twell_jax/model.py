@@ -720,30 +720,40 @@ class DecodeState(NamedTuple):
     stop: jax.Array
 
 
-def _layer_nnz(intermediates: nnx.State, n_layers: int) -> jax.Array:
-    return jnp.stack([jnp.asarray(s.nnz_mean, _F32) for s in layer_stats(intermediates, n_layers)])
+def _with_layer_nnz(fn, n_layers: int, stats: bool):
+    """``fn`` returning also the layers' nnz_mean [n_layers] float32: recorded under
+    ``nnx.capture`` when ``stats``, else NaN and nothing captured (under jit the FFN layers'
+    statistics are then dead code and XLA drops them)."""
+    def run(*args):
+        if not stats:
+            return fn(*args), jnp.full((n_layers,), jnp.nan, _F32)
+        out, inter = nnx.capture(fn, nnx.Intermediate)(*args)
+        return out, jnp.stack([jnp.asarray(s.nnz_mean, _F32)
+                               for s in layer_stats(inter, n_layers)])
+    return run
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "stats"))
 def generation_start(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
-                     cache_len: int):
+                     cache_len: int, stats: bool = True):
     """``generate``'s first stage (jitted): prefill and the first token: (DecodeState, token
-    [B], nnz_mean [n_layers])."""
+    [B], nnz_mean [n_layers]; NaN without ``stats``)."""
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(prompts.shape[0], cache_len)
-    (logits, cache), inter = nnx.capture(model.prefill, nnx.Intermediate)(prompts, lengths, cache)
+    prefill = _with_layer_nnz(model.prefill, model.cfg.n_layers, stats)
+    (logits, cache), nnz = prefill(prompts, lengths, cache)
     token = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
     decode_state = DecodeState(cache, token, stop[token], jnp.ones((), jnp.int32), key, stop)
-    return decode_state, token, _layer_nnz(inter, model.cfg.n_layers)
+    return decode_state, token, nnz
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk", "stats"))
 def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling: Sampling,
-                     chunk: int):
+                     chunk: int, stats: bool = True):
     """``generate``'s decode loop (jitted): up to ``n`` (<= chunk, traced) decode steps in one
     ``lax.while_loop``; stops early once every sequence is done. Returns (DecodeState, tokens
     [B, chunk] (PAD_TOKEN past the steps run or a stop), nnz_mean [chunk, n_layers] (NaN past
-    the steps run))."""
+    the steps run, and everywhere without ``stats``: then no statistic is computed))."""
     n_layers = nnx.merge(graphdef, state).cfg.n_layers
     b = decode_state.token.shape[0]
     tokens = jnp.full((b, chunk), PAD_TOKEN, jnp.int32)
@@ -757,8 +767,8 @@ def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling:
         i, ds, tokens, nnz = carry
         # Merged inside the loop: the module lives in the loop body's trace.
         model = nnx.merge(graphdef, state)
-        (logits, cache), inter = nnx.capture(model.decode_step, nnx.Intermediate)(ds.token,
-                                                                                   ds.cache)
+        step = _with_layer_nnz(model.decode_step, n_layers, stats)
+        (logits, cache), step_nnz = step(ds.token, ds.cache)
         token = sample_logits(logits, jax.random.fold_in(ds.key, ds.step), sampling)
         done = ds.done | ds.stop[token]
         # A finished sequence keeps feeding its last token: its outputs are discarded.
@@ -766,7 +776,7 @@ def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling:
         token = jnp.where(ds.done, PAD_TOKEN, token)
         ds = DecodeState(cache, feed, done, ds.step + 1, ds.key, ds.stop)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
-        nnz = jax.lax.dynamic_update_slice(nnz, _layer_nnz(inter, n_layers)[None], (i, 0))
+        nnz = jax.lax.dynamic_update_slice(nnz, step_nnz[None], (i, 0))
         return i + 1, ds, tokens, nnz
 
     _, decode_state, tokens, nnz = jax.lax.while_loop(
@@ -774,15 +784,17 @@ def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling:
     return decode_state, tokens, nnz
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "steps"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "steps",
+                                             "stats"))
 def _generate(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
-              cache_len: int, steps: int):
+              cache_len: int, steps: int, stats: bool):
     decode_state, first, nnz0 = generation_start(graphdef, state, prompts, lengths, key, stop,
-                                                 sampling=sampling, cache_len=cache_len)
+                                                 sampling=sampling, cache_len=cache_len,
+                                                 stats=stats)
     if steps == 0:
         return first[:, None], nnz0[None]
     _, tokens, nnz = generation_steps(graphdef, state, decode_state, steps, sampling=sampling,
-                                      chunk=steps)
+                                      chunk=steps, stats=stats)
     return (jnp.concatenate([first[:, None], tokens], axis=1),
             jnp.concatenate([nnz0[None], nnz], axis=0))
 
@@ -882,7 +894,7 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: f
       stop_tokens: ids that end a sequence (kept in the output; later positions are
         ``PAD_TOKEN`` = -1).
       prompt_lengths: [B] int in [1, T], for a padded array; default T for every row.
-      return_stats: also return the FFN statistics.
+      return_stats: also return the FFN statistics (without it none is computed).
     Returns:
       tokens [B, max_new_tokens] int32; with ``return_stats``, ``(tokens, stats)`` where
       ``stats["nnz_mean"]`` [max_new_tokens, n_layers] float32 is the mean active FFN units
@@ -898,7 +910,8 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: f
                                                       max_new_tokens, sampling, key, stop_tokens)
     graphdef, state = nnx.split(model)
     tokens, nnz = _generate(graphdef, state, prompts, lengths, key, stop, sampling=sampling,
-                            cache_len=cache_len, steps=int(max_new_tokens) - 1)
+                            cache_len=cache_len, steps=int(max_new_tokens) - 1,
+                            stats=bool(return_stats))
     return (tokens, {"nnz_mean": nnz}) if return_stats else tokens
 
 
