@@ -14,13 +14,14 @@ Per (preset, implementation, batch B), with prompts of P = context - new_tokens 
 and a KV cache of ``context`` positions (bf16, the compute dtype):
 
 - time to first token: ``model.generation_start`` (what ``generate`` runs first: allocate the
-  cache, prefill the B x P prompt batch, sample the first token, the FFN statistics), one
+  cache, prefill the B x P prompt batch, sample the first token; no statistics), one
   jitted call, median over ``--runs`` after two warm-up calls.
 - decode: ``model.generation_steps`` (``generate``'s loop: one ``lax.while_loop`` of
   N = new_tokens - 1 greedy decode steps, no host round trip per token, without the FFN
   statistics, as ``generate`` runs unless asked) from the state the prefill left; one more
   call with statistics gives the active units per step. One call is timed whole, from
-  dispatch to the tokens being ready, median over ``--runs``; step time = call time / N, tokens/s = B * N / call time.
+  dispatch to the tokens being ready, median over ``--runs``; step time = call time / N,
+  tokens/s = B * N / call time.
   The call's fixed costs (dispatch, copying the non-donated KV cache into the loop once) are
   included, not subtracted: they are what a caller of ``generate`` pays. Beside it, the same
   compiled loop stopped after one step (``decode_one_step_call_ms``) and the marginal step
