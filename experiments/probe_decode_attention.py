@@ -9,8 +9,8 @@ context in a long cache). Variants: (a) ``twell_jax.model.decode_attention`` (XL
 masked softmax), (b) the same math on caches stored [B, Nkv, S, H], (c) cuDNN through
 ``jax.nn.dot_product_attention(..., key_value_seq_lengths=positions + 1)`` (a failure is
 recorded), (d) ``pallas_kernels.decode_attention`` with its default config and a sweep of
-configs (a config that fails to compile is recorded, not fatal; past ``--budget-s`` seconds the remaining sweep configs are skipped and
-recorded so, to stay under two minutes).
+configs (a config that fails to compile is recorded, not fatal; past ``--budget-s`` seconds
+the remaining sweep configs are skipped and recorded so, to stay under two minutes).
 
 Each variant is first checked against the float32 jnp reference (max abs error / max |ref| and
 the norm-relative error), then timed per call inside one jitted ``fori_loop`` of ``--steps``

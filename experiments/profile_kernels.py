@@ -1,14 +1,14 @@
 """Where a model's GPU time goes: every kernel of a jitted call, from a JAX profiler trace.
 
-For each preset and implementation it profiles two programs of the real model, with gate biases
-calibrated to ``--mean-nnz`` active units per token as in ``bench_model.py``:
+For each preset and implementation it profiles up to three programs of the real model, with
+gate biases calibrated to ``--mean-nnz`` active units per token as in ``bench_model.py``:
 
 - prefill: the last position's logits of ``--prefill`` (B x T) tokens, as ``bench_model.py``;
 - train (``--train``): one training step (loss with the L1 term, backward, AdamW) as
   ``bench_model.py`` times it, remat on;
 - decode: ``model.generation_steps`` (generate's jitted loop) for ``--decode-steps`` steps at
   batch ``--decode-batch`` after a prompt of ``--context`` minus those steps (bf16 parameters,
-  as ``bench_generate.py``).
+  no statistics, as ``bench_generate.py`` times it).
 
 It reports, per program and run: the wall time (synchronised), the time some kernel was running
 on the GPU (the union of the kernels' intervals: "busy"), the kernels' summed time and count, and
@@ -220,9 +220,9 @@ def decode_program(model, prompts, steps: int, context: int):
     sampling = model_lib.Sampling()
     decode_state, _, _ = model_lib.generation_start(graphdef, state, prompts, lengths,
                                                     jax.random.key(0), stop, sampling=sampling,
-                                                    cache_len=context)
+                                                    cache_len=context, stats=False)
     args = (graphdef, state, decode_state, jnp.int32(steps))
-    kwargs = dict(sampling=sampling, chunk=steps)
+    kwargs = dict(sampling=sampling, chunk=steps, stats=False)
     return (lambda: model_lib.generation_steps(*args, **kwargs),
             lambda: model_lib.generation_steps.lower(*args, **kwargs).compile().as_text())
 
@@ -278,8 +278,9 @@ def print_table(rows: list[dict], top: int) -> None:
         per = r.get("decode_steps", 1)
         unit = "per step" if per > 1 else "per call"
         print(f"\n{r['preset']} {r['program']} {r['implementation']} ({unit}): wall "
-              f"{r['wall_ms'] / per:.3f} ms (profiled {r['profiled_wall_ms'] / per:.3f}), busy {r['busy_ms'] / per:.3f}, kernels "
-              f"{r['kernel_ms'] / per:.3f} ms in {r['launches'] / per:.0f} launches; by kind: "
+              f"{r['wall_ms'] / per:.3f} ms (profiled {r['profiled_wall_ms'] / per:.3f}), "
+              f"busy {r['busy_ms'] / per:.3f}, kernels {r['kernel_ms'] / per:.3f} ms in "
+              f"{r['launches'] / per:.0f} launches; by kind: "
               + ", ".join(f"{k} {v / per:.3f}" for k, v in
                           sorted(r["kinds"].items(), key=lambda kv: -kv[1])))
         for k in r["kernels"][:top]:
@@ -295,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         def emit(row):
             f.write(json.dumps(row) + "\n")
             f.flush()
-        emit(common.header(" ".join(sys.argv), **dataclasses.asdict(cfg)))
+        command = sys.argv if argv is None else ["profile_kernels.py", *argv]
+        emit(common.header(" ".join(command), **dataclasses.asdict(cfg)))
         rows = run(cfg, emit)
     print_table(rows, cfg.top)
     return rows
