@@ -72,12 +72,14 @@ def _batch(train, step: int = 0) -> np.ndarray:
 
 def _one_step(train, cfg, mesh) -> tuple[dict, dict, object, object]:
     model, optimizer = _build(train, cfg, mesh)
-    args = (model, optimizer, sharding.shard_batch(_batch(train), mesh), jnp.float32(cfg.l1_coeff))
+    args = (sharding.shard_batch(_batch(train), mesh), jnp.float32(cfg.l1_coeff))
     with jax.set_mesh(mesh):
+        step = train.TrainStep(model, optimizer)
         # Which Pallas kernels the step's program holds (their pallas_call names), and whether
         # the FFN went under shard_map (a manual computation).
-        program = train.train_step.lower(*args).as_text(debug_info=True)
-        metrics = train.train_step(*args)
+        program = step.lower(*args).as_text(debug_info=True)
+        metrics = step(*args)
+        step.sync()
     metrics = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
     metrics["kernels"] = sorted(set(re.findall(r"twell_[a-z_]+", program)))
     metrics["shard_map"] = "manual_computation" in program

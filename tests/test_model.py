@@ -183,30 +183,36 @@ def test_gate_bias_params_features_and_activity():
         dataclasses.replace(TINY, gate_bias=1)
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["out_f32", "out_bf16"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_output_layer_backward_in_compute_dtype(dtype):
-    """``dense.f32_output_matmul`` (the logits): float32 out, gradients as autodiff's of the
-    float32 product (exactly in float32), and in bf16 every backward GEMM reads bf16."""
-    from twell_jax.dense import f32_output_matmul
+def test_mixed_precision_matmul(dtype, out_dtype):
+    """``dense.mixed_precision_matmul`` (the projections and the logits): the output dtype
+    asked for, gradients as autodiff's of the float32 product (exactly in float32), and every
+    backward GEMM reads the compute dtype and accumulates in float32."""
+    from twell_jax.dense import mixed_precision_matmul
 
     kx, kw, kc = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(kx, (2, 5, 32), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (32, 48), jnp.float32) / 6).astype(dtype)
     ct = jax.random.normal(kc, (2, 5, 48), jnp.float32)
-    loss = lambda f: (lambda x, w: jnp.sum(f(x, w) * ct))
+    fn = lambda x, w: mixed_precision_matmul(x, w, out_dtype)
     plain = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
                                  precision=jax.lax.Precision.HIGHEST)
-    got = jax.grad(loss(f32_output_matmul), argnums=(0, 1))(x, w)
+    loss = lambda f: (lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct))
+    assert fn(x, w).dtype == jnp.dtype(out_dtype)
+    exact = dtype == jnp.float32 and out_dtype == jnp.float32  # nothing rounded to bf16
+    assert rel_err(fn(x, w), plain(x, w)) < (1e-6 if exact else 1e-2)
+    got = jax.grad(loss(fn), argnums=(0, 1))(x, w)
     want = jax.grad(loss(plain), argnums=(0, 1))(x, w)
-    assert f32_output_matmul(x, w).dtype == jnp.float32
     for g, ref, arg in zip(got, want, (x, w)):
         assert g.dtype == arg.dtype and np.isfinite(np.asarray(g, np.float32)).all()
-        assert rel_err(g, ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
+        assert rel_err(g, ref) < (1e-6 if exact else 1e-2)
     # The forward's dot sits inside the custom_vjp call; the top level holds the backward's.
-    jaxpr = jax.make_jaxpr(jax.grad(loss(f32_output_matmul), argnums=(0, 1)))(x, w)
+    jaxpr = jax.make_jaxpr(jax.grad(loss(fn), argnums=(0, 1)))(x, w)
     backward = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(backward) == 2
     assert all(v.aval.dtype == dtype for e in backward for v in e.invars)
+    assert all(e.outvars[0].aval.dtype == jnp.float32 for e in backward)
 
 
 def test_decode_kernels_differentiable():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -57,21 +59,26 @@ def _few_rows_bwd(residuals, dy):
 few_rows_matmul.defvjp(_few_rows_fwd, _few_rows_bwd)
 
 
-@jax.custom_vjp
-def f32_output_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` with a float32 output (x [..., K], w [K, N] of x's dtype: the logits), whose
-    backward runs in x's dtype: the cotangent is rounded to x.dtype before the two backward
-    GEMMs, as mixed-precision training does. Plain autodiff would take the float32 cotangent
-    into float32 (TF32) GEMMs: on the H100 the 0.5b model's output layer's backward took 21 ms
-    of a 164 ms training step that way. With a float32 x nothing is rounded."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def mixed_precision_matmul(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+    """``x @ w`` (x [..., K], w [K, N], both in the compute dtype) -> [..., N] in
+    ``out_dtype``, float32 accumulation, rounded once.
+
+    The backward GEMMs read the compute dtype too (the cotangent is rounded to x.dtype, as
+    mixed-precision training does) and accumulate in float32, rounded after: so under data
+    parallelism the weight gradient's sum over devices is taken in float32. Plain autodiff of
+    a float32-output product would feed the float32 cotangent to float32 (TF32) GEMMs: on
+    the H100 the 0.5b model's attention projections and output layer spent ~50 ms of a 164 ms
+    training step that way (BENCHMARKS.md, run 20). With float32 operands nothing is
+    rounded."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _f32_output_fwd(x, w):
-    return f32_output_matmul(x, w), (x, w)
+def _mixed_fwd(x, w, out_dtype):
+    return mixed_precision_matmul(x, w, out_dtype), (x, w)
 
 
-def _f32_output_bwd(residuals, dy):
+def _mixed_bwd(out_dtype, residuals, dy):
     x, w = residuals
     dy = dy.astype(x.dtype)
     dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -81,4 +88,4 @@ def _f32_output_bwd(residuals, dy):
     return dx, dw
 
 
-f32_output_matmul.defvjp(_f32_output_fwd, _f32_output_bwd)
+mixed_precision_matmul.defvjp(_mixed_fwd, _mixed_bwd)

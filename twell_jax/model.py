@@ -53,7 +53,7 @@ from pallas_kernels.decode_attention import decode_attention_reference
 from pallas_kernels.gemv import FEW_ROWS as GEMV_FEW_ROWS
 from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
-from twell_jax.dense import f32_output_matmul, few_rows_matmul
+from twell_jax.dense import few_rows_matmul, mixed_precision_matmul
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Implementation
 from twell_jax.ffn import RESIDUALS_NAME, FFNStats
 
@@ -314,9 +314,7 @@ class Attention(nnx.Module):
         x, w = x.astype(self.dtype), w[...].astype(self.dtype)
         if self.decode_kernels and b * t < GEMV_FEW_ROWS:
             return few_rows_matmul(x.reshape(b * t, k), w).reshape(b, t, -1)
-        # x.dtype out (float32 accumulation inside), as a Flax nnx.Linear: its backward GEMMs
-        # stay in x.dtype too (a float32 output would take them to float32).
-        return jnp.dot(x, w)
+        return mixed_precision_matmul(x, w, self.dtype)
 
     def _project(self, x: jax.Array, w: nnx.Param, heads: int) -> jax.Array:
         b, t, _ = x.shape
@@ -444,7 +442,7 @@ class Transformer(nnx.Module):
             w = self.embedding[...].astype(self.cfg.dtype).T
         else:
             w = self.lm_head[...].astype(self.cfg.dtype)
-        return f32_output_matmul(x, w)
+        return mixed_precision_matmul(x, w, _F32)
 
     def features(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] int -> the final-normed hidden states [B, T, D] (compute dtype), the
