@@ -117,6 +117,12 @@ def test_decode_kernels_match_xla(dtype):
         jaxpr = str(jax.make_jaxpr(lambda t, c, m=model: m.decode_step(t, c))(
             jnp.zeros((2,), jnp.int32), cache))
         assert ("twell_gemv" in jaxpr) == flag and ("twell_decode_attention" in jaxpr) == flag
+    # Under a context mesh of several devices the plain XLA products run (XLA partitions them).
+    attn = models[True].blocks[0].attn
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("data",))):
+        assert not attn._kernels()
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("data",))):
+        assert attn._kernels()
     tokens, lengths = padded(PROMPTS, 6)
     state = {}
     for flag, model in models.items():

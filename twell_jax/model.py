@@ -307,12 +307,20 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         return self.prefill(x, cos, sin)[0]
 
+    def _kernels(self) -> bool:
+        """``decode_kernels``, on one device: under a context mesh of several devices XLA
+        partitions the plain products (a ``pallas_call`` is not partitioned)."""
+        if not self.decode_kernels:
+            return False
+        mesh = jax.sharding.get_abstract_mesh()
+        return mesh.empty or mesh.size == 1
+
     def _matmul(self, x: jax.Array, w: nnx.Param) -> jax.Array:
         """x [B, T, K] @ w [K, N] -> [B, T, N] in the compute dtype (float32 accumulation);
         fewer than ``GEMV_FEW_ROWS`` (8) rows on the GEMV kernel when ``decode_kernels``."""
         b, t, k = x.shape
         x, w = x.astype(self.dtype), w[...].astype(self.dtype)
-        if self.decode_kernels and b * t < GEMV_FEW_ROWS:
+        if self._kernels() and b * t < GEMV_FEW_ROWS:
             return few_rows_matmul(x.reshape(b * t, k), w).reshape(b, t, -1)
         return mixed_precision_matmul(x, w, self.dtype)
 
@@ -348,7 +356,7 @@ class Attention(nnx.Module):
         rows = jnp.arange(x.shape[0])
         cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
         cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
-        out = decode_attention(q[:, 0], cache_k, cache_v, positions, kernel=self.decode_kernels)
+        out = decode_attention(q[:, 0], cache_k, cache_v, positions, kernel=self._kernels())
         return self._output(out[:, None]), cache_k, cache_v
 
 
