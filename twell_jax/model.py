@@ -109,7 +109,8 @@ class ModelConfig:
         (``pallas_kernels.decode_attention``: it reads only the filled positions). None
         (default): exactly when a GPU is present (interpret mode on a CPU would only be
         slower); True forces them (interpret mode without a GPU: how the tests run them);
-        False keeps plain XLA. The FFN's own decode path is its implementation's business.
+        False keeps plain XLA. Under a context mesh of several devices XLA's products run
+        either way. The FFN's own decode path is its implementation's business.
     """
 
     vocab_size: int
