@@ -1,7 +1,8 @@
-"""GPU probe: the decode-sized gate product ``x @ w_gate + bias`` timed three ways.
+"""GPU probe: decode-sized products ``x @ w + bias`` (the FFN gate; ``--f 2048``: an attention
+projection) timed three ways.
 
-For M in (1, 8, 64) rows, D = 2048, F = 5632, bf16 (23 MB of weights), bias a threshold (about
-0.5% of the outputs positive), it times
+For M in ``--ms`` (default 1, 8, 64) rows, D = ``--d`` (2048), F = ``--f`` (5632), bf16 (23 MB
+of weights at the defaults), bias a threshold (about 0.5% of the outputs positive), it times
 
 * ``xla gate_pre_activation``: ``twell_jax.dense.gate_pre_activation`` (the current path: XLA's
   dot with a float32 output, the bias added before one rounding to bf16);
@@ -43,8 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels.gemv import (GemvConfig, default_gemv_config,  # noqa: E402
-                                      gemv)
+from pallas_kernels.gemv import GemvConfig, default_gemv_config, gemv  # noqa: E402
 from twell_jax.dense import gate_pre_activation  # noqa: E402
 
 LAYERS = 4

@@ -1,6 +1,7 @@
-"""``gemv`` (the decode-sized gate product ``x @ w + bias``) against numpy float64 and its
-jnp reference, in interpret mode on the CPU (compiled on a GPU: ``tests/test_lowering.py`` checks
-the Triton lowering, ``experiments/probe_gemv.py`` times it)."""
+"""``gemv`` (decode-sized products ``x @ w + bias``: the FFN gate, the attention projections)
+against numpy float64 and its jnp reference, in interpret mode on the CPU (compiled on a GPU:
+``tests/test_lowering.py`` checks the Triton lowering, ``experiments/probe_gemv.py`` times
+it)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gemv import (GemvConfig, default_gemv_config, gemv,
-                                      gemv_reference)
+from pallas_kernels.gemv import GemvConfig, default_gemv_config, gemv, gemv_reference
 from tests.utils import assert_close, seed_of
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
