@@ -231,6 +231,36 @@ def time_call(fn: Callable, runs: int, sampler: PowerSampler | None = None) -> d
     return {**common.summarize_ms(samples), "runs": runs, **energy}
 
 
+def last_logits(model: model_lib.Transformer, tokens: jax.Array) -> jax.Array:
+    """The last position's logits [B, V] float32 of tokens [B, T]: what generation needs."""
+    return model.logits(model.features(tokens)[:, -1])
+
+
+def adamw_step(model, optimizer, tokens: jax.Array, l1_coeff: float):
+    """One training step on ``tokens`` [B, T + 1] (loss with the L1 term, backward, the
+    optimizer's update) as one ``jax.jit`` over the split (model, optimizer) state, donated and
+    carried from call to call. Returns (step() -> loss, the step's ``Lowered``, sync(): writes
+    the state back into model and optimizer, whose own arrays were donated)."""
+    graphdef, state = nnx.split((model, optimizer))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, tokens):
+        m, opt = nnx.merge(graphdef, state)
+        grad_fn = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)
+        (loss, _), grads = grad_fn(m, tokens, l1_coeff)
+        opt.update(m, grads)
+        return nnx.state((m, opt)), loss
+
+    lowered = train_step.lower(state, tokens)  # before the state is donated
+    carry = {"state": state}
+
+    def step():
+        carry["state"], loss = train_step(carry["state"], tokens)
+        return loss
+
+    return step, lowered, lambda: nnx.update((model, optimizer), carry["state"])
+
+
 def jit_over_state(fn: Callable, module: nnx.Module):
     """``fn(module, *args)`` as one ``jax.jit`` over the module's split state, as a serving or
     training loop calls it: ``nnx.jit`` walks the module's graph in Python on every call
@@ -247,10 +277,10 @@ def peak_bytes() -> int | None:
     return None if not stats else int(stats.get("peak_bytes_in_use", 0))
 
 
-def compiled_bytes(jitted, *args) -> int | None:
-    """Static estimate from XLA: temporaries + arguments + outputs of the compiled function."""
+def compiled_bytes(lowered) -> int | None:
+    """Static estimate from XLA: temporaries + arguments + outputs of a lowered function."""
     try:
-        m = jitted.lower(*args).compile().memory_analysis()
+        m = lowered.compile().memory_analysis()
         return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes)
     except Exception:
         return None
@@ -331,17 +361,12 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
             row["mj_per_token"] = timing["energy_j"] * 1e3 / (tokens_per_call * timing["runs"])
         emit(row)
 
-    def last_logits(model, tokens):  # the last position's logits: what generation needs
-        h = model.features(tokens)[:, -1]
-        return jnp.dot(h, model.embedding[...].astype(h.dtype).T,
-                       preferred_element_type=jnp.float32)
-
     prefill, prefill_jitted, state = jit_over_state(last_logits, model)
     for b, t in parse_shapes(cfg.prefill, ""):
         tokens = token_batch(mcfg, cfg, b, t)
         stats = layer_statistics(model, tokens)
         record("prefill", [b, t], b * t, time_call(lambda: prefill(tokens), cfg.runs, sampler),
-               compiled_bytes=compiled_bytes(prefill_jitted, state, tokens), **stats)
+               compiled_bytes=compiled_bytes(prefill_jitted.lower(state, tokens)), **stats)
     for n in (int(v) for v in filter(None, cfg.decode.split(","))):
         tokens = token_batch(mcfg, cfg, n, 1)
         record("decode", [n, 1], n, time_call(lambda: prefill(tokens), cfg.runs))
@@ -351,27 +376,12 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
         tokens = token_batch(mcfg, cfg, b, t + 1)
         breakdown(model, tokens[:, :-1], cfg, emit, base)
         optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
-        graphdef, train_state = nnx.split((model, optimizer))
-
-        @functools.partial(jax.jit, donate_argnums=0)
-        def train_step(train_state, tokens):
-            model, optimizer = nnx.merge(graphdef, train_state)
-            grad_fn = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)
-            (loss, _), grads = grad_fn(model, tokens, cfg.l1_coeff)
-            optimizer.update(model, grads)
-            return nnx.state((model, optimizer)), loss
-
-        step_bytes = compiled_bytes(train_step, train_state, tokens)
-        carry = {"state": train_state}
-
-        def step():  # the state is donated: each step's output is the next step's input
-            carry["state"], loss = train_step(carry["state"], tokens)
-            return loss
-
+        step, lowered, sync = adamw_step(model, optimizer, tokens, cfg.l1_coeff)
+        step_bytes = compiled_bytes(lowered)
         loss = float(step())
         record("train", [b, t], b * t, time_call(step, cfg.runs, sampler),
                loss=loss, remat=cfg.remat, compiled_bytes=step_bytes)
-        nnx.update((model, optimizer), carry["state"])  # its old buffers were donated
+        sync()
         emit({"kind": "memory", **base, "phase": "training", "peak_bytes": peak_bytes()})
 
 

@@ -143,7 +143,7 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
     with jax.set_mesh(mesh):
         loss, nnz, fallback = jax.device_get(train_step(model, optimizer, tokens))
         timing = bench_model.time_call(lambda: train_step(model, optimizer, tokens), cfg.runs)
-        compiled = bench_model.compiled_bytes(train_step, model, optimizer, tokens)
+        compiled = bench_model.compiled_bytes(train_step.lower(model, optimizer, tokens))
     stats = [d.memory_stats() for d in devices]
     peaks = [None if not s else int(s.get("peak_bytes_in_use", 0)) for s in stats]
     global_tokens = b * len(devices) * t

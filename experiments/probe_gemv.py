@@ -8,7 +8,7 @@ of weights at the defaults), bias a threshold (about 0.5% of the outputs positiv
   dot with a float32 output, the bias added before one rounding to bf16);
 * ``xla jnp.dot f32``: a plain ``jnp.dot(x, w, preferred_element_type=float32)``;
 * ``gemv ...``: ``pallas_kernels.gemv`` under several configs (the default first, then
-  a sweep of column blocks, D steps, D splits, dot or broadcast product, warps and stages);
+  a sweep of column blocks, D steps, D splits, warps and stages);
 * ``loop overhead``: the same loop with an identity in place of the product.
 
 Each variant's largest error max|out - ref| / max|ref| is checked against a float32 HIGHEST
@@ -51,49 +51,41 @@ LAYERS = 4
 THRESHOLD = 2.576  # P(N(0, 1) > 2.576) = 0.5%
 
 
-def cfg(block_f, block_k, k_splits, use_dot, num_warps=4, num_stages=3) -> GemvConfig:
-    return GemvConfig(block_f=block_f, block_k=block_k, k_splits=k_splits, use_dot=use_dot,
-                          num_warps=num_warps, num_stages=num_stages)
+def cfg(block_f, block_k, k_splits, num_warps=4, num_stages=3) -> GemvConfig:
+    return GemvConfig(block_f=block_f, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                      num_stages=num_stages)
 
 
 # Per M: configs worth a try at D = 2048, F = 5632 (44 column blocks of 128; 32 D steps of 64).
-# The default config of each M is timed first, separately.
+# The default config of each M is timed first, separately. (Run 18 also swept a broadcast
+# product on the CUDA cores: slower everywhere, deleted.)
 SWEEP = {
-    1: [cfg(128, 64, 1, False),            # no split: 44 programs (what the splits are worth)
-        cfg(128, 64, 4, False, 4, 4),
-        cfg(256, 32, 8, False),
-        cfg(64, 128, 4, False),
-        cfg(128, 128, 8, False, 8, 2),
-        cfg(128, 32, 16, False),
-        cfg(512, 16, 16, False),
-        cfg(256, 64, 8, False, 8, 3),
-        cfg(128, 64, 8, True),             # the dot on x padded to 16 rows
-        cfg(64, 128, 4, True, 4, 4)],
-    8: [cfg(128, 16, 8, False),
-        cfg(64, 32, 4, False),
-        cfg(128, 16, 4, False, 8, 4),
-        cfg(128, 64, 8, True),
-        cfg(64, 64, 4, True),
-        cfg(128, 128, 4, True),
-        cfg(256, 64, 8, True, 8, 3),
-        cfg(64, 128, 2, True, 4, 4),
-        cfg(128, 32, 8, True, 4, 4),
-        cfg(128, 64, 4, True, 4, 2)],
-    64: [cfg(64, 64, 1, True),             # no split, one launch: 88 programs
-         cfg(32, 64, 1, True),             # 176 programs
-         cfg(32, 128, 1, True, 4, 4),
-         cfg(64, 128, 2, True),
-         cfg(128, 64, 2, True, 8, 3),
-         cfg(64, 64, 4, True),
-         cfg(16, 128, 1, True, 2, 4),      # 352 programs, 32-byte tile rows
-         cfg(64, 32, 1, True, 4, 5),
-         cfg(128, 64, 1, True, 8, 4)],
+    1: [cfg(128, 64, 1),                   # no split: 44 programs (what the splits are worth)
+        cfg(128, 64, 4, 4, 4),
+        cfg(64, 128, 4, 4, 4),
+        cfg(128, 32, 16),
+        cfg(256, 64, 8, 8, 3),
+        cfg(128, 128, 8, 8, 2)],
+    8: [cfg(128, 64, 8),
+        cfg(64, 64, 4),
+        cfg(128, 128, 4),
+        cfg(256, 64, 8, 8, 3),
+        cfg(64, 128, 2, 4, 4),
+        cfg(128, 32, 8, 4, 4),
+        cfg(128, 64, 4, 4, 2)],
+    64: [cfg(64, 64, 1),                   # no split, one launch: 88 programs
+         cfg(32, 64, 1),                   # 176 programs
+         cfg(32, 128, 1, 4, 4),
+         cfg(128, 64, 2, 8, 3),
+         cfg(64, 64, 4),
+         cfg(16, 128, 1, 2, 4),            # 352 programs, 32-byte tile rows
+         cfg(64, 32, 1, 4, 5),
+         cfg(128, 64, 1, 8, 4)],
 }
 
 
 def describe(config: GemvConfig) -> str:
-    kind = "dot" if config.use_dot else "bcast"
-    return (f"{kind} bf{config.block_f} bk{config.block_k} s{config.k_splits} "
+    return (f"bf{config.block_f} bk{config.block_k} s{config.k_splits} "
             f"w{config.num_warps} st{config.num_stages}")
 
 
@@ -185,7 +177,7 @@ def main() -> None:
             row = {"m": m, "d": d, "f": f, "variant": name}
             if config is not None:
                 row["config"] = {k: getattr(config, k) for k in
-                                 ("block_f", "block_k", "k_splits", "use_dot", "num_warps",
+                                 ("block_f", "block_k", "k_splits", "num_warps",
                                   "num_stages")}
                 row["programs"] = -(-f // config.block_f) * config.k_splits
             optional = config is not None and "default" not in name

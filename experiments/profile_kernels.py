@@ -25,7 +25,6 @@ On a CPU there are no GPU kernels: the rows carry wall times only (used by the t
 from __future__ import annotations
 
 import dataclasses
-import functools
 import glob
 import json
 import os
@@ -43,7 +42,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import flag  # noqa: E402
-from bench_model import calibrate  # noqa: E402
+from bench_model import adamw_step, calibrate, jit_over_state, last_logits  # noqa: E402
 
 from twell_jax import model as model_lib  # noqa: E402
 
@@ -173,42 +172,17 @@ def _tokens(vocab: int, b: int, t: int, seed: int) -> jax.Array:
 
 
 def prefill_program(model, tokens):
-    """(call, hlo): the last position's logits of ``tokens``, as bench_model, jitted over
-    the split state (what a serving loop does: no per-call module traversal)."""
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def prefill(state, tokens):
-        m = nnx.merge(graphdef, state)
-        h = m.features(tokens)[:, -1]
-        return jnp.dot(h, m.embedding[...].astype(h.dtype).T, preferred_element_type=jnp.float32)
-
-    return (lambda: prefill(state, tokens),
-            lambda: prefill.lower(state, tokens).compile().as_text())
+    """(call, hlo): the last position's logits of ``tokens``, as bench_model times them."""
+    call, jitted, state = jit_over_state(last_logits, model)
+    return (lambda: call(tokens), lambda: jitted.lower(state, tokens).compile().as_text())
 
 
 def train_program(model, tokens, l1_coeff: float):
-    """(call, hlo): one AdamW training step on ``tokens`` [B, T + 1], jitted over the split
-    (model, optimizer) state, the state donated and carried from call to call."""
+    """(call, hlo): one AdamW training step on ``tokens`` [B, T + 1], as bench_model times it
+    (one jit over the split, donated model + optimizer state)."""
     optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(state, tokens):
-        m, opt = nnx.merge(graphdef, state)
-        (loss, _), grads = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)(m, tokens,
-                                                                               l1_coeff)
-        opt.update(m, grads)
-        return nnx.state((m, opt)), loss
-
-    hlo = step.lower(state, tokens).compile().as_text()  # before the state is donated
-    carry = {"state": state}
-
-    def call():
-        carry["state"], loss = step(carry["state"], tokens)
-        return loss
-
-    return call, lambda: hlo
+    step, lowered, _ = adamw_step(model, optimizer, tokens, l1_coeff)
+    return step, lambda: lowered.compile().as_text()
 
 
 def decode_program(model, prompts, steps: int, context: int):

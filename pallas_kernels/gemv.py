@@ -19,11 +19,10 @@ at decode. This kernel is built around the weight read:
   splits * M is small; the default keeps them under ~1/8 of the weight bytes.
 * With one split the kernel adds the bias in float32 and rounds once to x.dtype itself: one
   launch, no epilogue pass (at ~7 us a second launch is not free).
-* The x rows are loaded per step as one [M_pad, block_k] tile (tiny, stays in L1/L2). Below
-  16 rows (``use_dot`` False) the product is a broadcast multiply and a float32 sum over the
-  tile's K axis ([M_pad, block_k, block_f] values per step, so block_k shrinks as M grows);
-  otherwise a tensor-core dot on x padded to >= 16 rows (the padding's flops are free in a
-  memory-bound kernel, so the dot can be tried at any M).
+* The x rows are loaded per step as one [M_pad, block_k] tile (tiny, stays in L1/L2), padded
+  to at least 16 rows for a tensor-core dot: the padding's flops are free in a memory-bound
+  kernel. (A broadcast multiply-and-sum on the CUDA cores was slower at every measured size,
+  up to 2.4x at M = 8: BENCHMARKS.md, run 18; deleted.)
 
 Ragged shapes are masked, not padded: padding w would copy it on every call. Blocks that
 divide D and F skip the masks (they are static).
@@ -56,7 +55,7 @@ def _load(ref, mask):
 
 
 def _gemv_kernel(*refs, m: int, d: int, f: int, m_pad: int, block_k: int, block_f: int,
-                      steps: int, use_dot: bool, has_bias: bool, fused: bool, mask_k: bool,
+                      steps: int, has_bias: bool, fused: bool, mask_k: bool,
                       mask_f: bool, precision):
     """One program: columns [j * block_f, +block_f) for j = ``program_id(0)`` and D rows
     [s * steps * block_k, +steps * block_k) for s = ``program_id(1)``.
@@ -91,11 +90,7 @@ def _gemv_kernel(*refs, m: int, d: int, f: int, m_pad: int, block_k: int, block_
             x_mask = None
         xk = _load(x_ref.at[pl.ds(0, m_pad), pl.ds(k0, block_k)], x_mask)
         wk = _load(w_ref.at[pl.ds(k0, block_k), pl.ds(col0, block_f)], w_mask)
-        if use_dot:
-            return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32,
-                                 precision=precision)
-        prod = xk.astype(jnp.float32)[:, :, None] * wk.astype(jnp.float32)[None, :, :]
-        return acc + jnp.sum(prod, axis=1)
+        return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32, precision=precision)
 
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((m_pad, block_f), jnp.float32))
     out_mask = row_ok[:, None] & col_ok[None, :] if (m_pad != m or mask_f) else None
@@ -116,12 +111,11 @@ class GemvConfig:
     Attributes:
       block_f: columns of F per program (power of two); the grid's first axis is
         ceil(F / block_f).
-      block_k: rows of D (and of w) per loop step (power of two).
+      block_k: rows of D (and of w) per loop step (power of two >= 16, as block_f: the dot's
+        minimum).
       k_splits: D is split over this many programs per column block (an int >= 1; fewer are
         used when D has fewer ``block_k`` steps); > 1 writes float32 partial sums that the
         wrapper adds.
-      use_dot: tensor-core dot on x padded to >= 16 rows (then block_k, block_f >= 16), or a
-        broadcast multiply and sum (False); None: a dot from 16 rows up.
       num_warps: Triton warps per program.
       num_stages: Triton pipelining stages of the loop over D.
     """
@@ -129,7 +123,6 @@ class GemvConfig:
     block_f: int = 128
     block_k: int = 64
     k_splits: int = 1
-    use_dot: bool | None = None
     num_warps: int = 4
     num_stages: int = 3
 
@@ -137,15 +130,9 @@ class GemvConfig:
         check_config(self, ("block_f", "block_k", "num_warps"))
         if not isinstance(self.k_splits, int) or self.k_splits < 1:
             raise ValueError(f"k_splits must be an int >= 1, got {self.k_splits!r}")
-        if not (self.use_dot is None or isinstance(self.use_dot, bool)):
-            raise ValueError(f"use_dot must be None, True or False, got {self.use_dot!r}")
-        if self.use_dot and min(self.block_k, self.block_f) < 16:
-            raise ValueError(f"use_dot needs block_k and block_f >= 16, got block_k="
+        if min(self.block_k, self.block_f) < 16:
+            raise ValueError(f"the dot needs block_k and block_f >= 16, got block_k="
                              f"{self.block_k}, block_f={self.block_f}")
-
-    def dot_for(self, m: int) -> bool:
-        """Whether a call with ``m`` rows uses the tensor-core dot."""
-        return m >= 16 if self.use_dot is None else self.use_dot
 
 
 def default_gemv_config(m: int, d: int, f: int) -> GemvConfig:
@@ -166,8 +153,8 @@ def default_gemv_config(m: int, d: int, f: int) -> GemvConfig:
     block_f = min(block_f, max(16, next_pow2(f)))
     block_k = min(block_k, max(16, next_pow2(d)))
     return GemvConfig(block_f=block_f, block_k=block_k,
-                      k_splits=max(1, min(k_splits, -(-d // block_k))), use_dot=True,
-                      num_warps=4, num_stages=3)
+                      k_splits=max(1, min(k_splits, -(-d // block_k))), num_warps=4,
+                      num_stages=3)
 
 
 def _check_args(x, w, bias) -> tuple[int, int, int]:
@@ -219,10 +206,7 @@ def gemv(
     """
     m, d, f = _check_args(x, w, bias)
     config = default_gemv_config(m, d, f) if config is None else config
-    use_dot = config.dot_for(m)
-    if use_dot and min(config.block_k, config.block_f) < 16:
-        raise ValueError(f"the dot needs block_k and block_f >= 16, got {config}")
-    m_pad = max(16, next_pow2(m)) if use_dot else next_pow2(m)
+    m_pad = max(16, next_pow2(m))
     total_steps = -(-d // config.block_k)
     steps = -(-total_steps // min(config.k_splits, total_steps))
     splits = -(-total_steps // steps)  # no empty split
@@ -232,7 +216,7 @@ def gemv(
     precision = (jax.lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None)
     kernel = functools.partial(
         _gemv_kernel, m=m, d=d, f=f, m_pad=m_pad, block_k=config.block_k,
-        block_f=config.block_f, steps=steps, use_dot=use_dot, has_bias=has_bias and fused,
+        block_f=config.block_f, steps=steps, has_bias=has_bias and fused,
         fused=fused, mask_k=splits * steps * config.block_k != d,
         mask_f=blocks * config.block_f != f, precision=precision)
     out_shape = (jax.ShapeDtypeStruct((m, f), x.dtype) if fused

@@ -36,13 +36,13 @@ def numpy_gate(x, w, b) -> np.ndarray:
 
 
 # D and F are never multiples of the blocks here: the last column block and D step are masked.
-# Configs cover the broadcast product and the dot, one and several D splits (an uneven split
-# count too), and the default.
+# Configs cover one and several D splits (an uneven split count too), 16-row steps, and the
+# default.
 CASES = [
     (1, 96, 200, GemvConfig(block_f=64, block_k=32, k_splits=2, num_warps=1)),
     (3, 320, 600, None),
-    (8, 200, 300, GemvConfig(block_f=128, block_k=16, k_splits=5, use_dot=False)),
-    (8, 160, 250, GemvConfig(block_f=64, block_k=32, use_dot=True, num_stages=1)),
+    (8, 200, 300, GemvConfig(block_f=128, block_k=16, k_splits=5)),
+    (8, 160, 250, GemvConfig(block_f=64, block_k=32, num_stages=1)),
     (17, 320, 600, GemvConfig(block_f=128, block_k=64, k_splits=1)),
     (64, 96, 200, GemvConfig(block_f=64, block_k=32, k_splits=2)),
 ]
@@ -76,15 +76,15 @@ def test_gemv_random_bias_jitted(dtype):
     m, d, f = 5, 130, 260
     rng = np.random.default_rng(seed_of("gate_gemv_random_bias", str(dtype)))
     x, w, b = make_inputs(m, d, f, dtype, "random", rng)
-    config = GemvConfig(block_f=64, block_k=32, k_splits=3, use_dot=True)
+    config = GemvConfig(block_f=64, block_k=32, k_splits=3)
     pre = jax.jit(lambda *a: gemv(*a, config=config))(x, w, b)
     assert_close(pre, numpy_gate(x, w, b), dtype, kind="ffn", what="jitted, random bias")
     assert_close(pre, gemv_reference(x, w, b), dtype, kind="kernel")
 
 
 @pytest.mark.parametrize("config", [
-    GemvConfig(block_f=64, block_k=32, k_splits=3, use_dot=False),
-    GemvConfig(block_f=64, block_k=32, k_splits=1, use_dot=True),
+    GemvConfig(block_f=64, block_k=32, k_splits=3),
+    GemvConfig(block_f=64, block_k=32, k_splits=1),
 ], ids=["split_sum", "dot_fused"])
 def test_gemv_nan_propagates(config):
     """A NaN in a row of x makes that row's outputs NaN (and only that row's)."""
@@ -99,18 +99,15 @@ def test_gemv_nan_propagates(config):
 
 
 def test_default_config():
-    """Valid at every decode size: the dot, blocks no wider than needed, splits that each
-    hold at least one step of D; the H100's measured best at M = 1 and 64."""
+    """Valid at every decode size: blocks no wider than needed, splits that each hold at
+    least one step of D; the H100's measured best at M = 1 and 64."""
     for m in range(1, 65):
         for d, f in [(2048, 5632), (320, 600), (96, 200), (5, 7)]:
             config = default_gemv_config(m, d, f)
-            assert config.dot_for(m)
             assert config.block_f <= max(16, 2 * f) and config.block_k <= max(16, 2 * d)
             assert 1 <= config.k_splits <= -(-d // config.block_k), (m, d, f, config)
-    assert default_gemv_config(1, 2048, 5632) == GemvConfig(block_f=128, block_k=64, k_splits=8,
-                                                           use_dot=True)
-    assert default_gemv_config(64, 2048, 5632) == GemvConfig(block_f=64, block_k=128,
-                                                            k_splits=2, use_dot=True)
+    assert default_gemv_config(1, 2048, 5632) == GemvConfig(block_f=128, block_k=64, k_splits=8)
+    assert default_gemv_config(64, 2048, 5632) == GemvConfig(block_f=64, block_k=128, k_splits=2)
 
 
 def test_bad_inputs():
@@ -133,12 +130,9 @@ def test_bad_inputs():
             gemv(*args)
         with pytest.raises(ValueError, match=message):
             gemv_reference(*args)
-    with pytest.raises(ValueError, match="dot needs"):  # use_dot=None: a dot from 16 rows
-        gemv(jnp.zeros((16, 32), jnp.bfloat16), w, b,
-                  config=GemvConfig(block_f=64, block_k=8))
     for kwargs, message in [({"block_f": 100}, "block_f"), ({"block_k": 0}, "block_k"),
                             ({"k_splits": 0}, "k_splits"), ({"num_stages": 0}, "num_stages"),
-                            ({"num_warps": 3}, "num_warps"), ({"use_dot": 1}, "use_dot"),
-                            ({"use_dot": True, "block_k": 8}, "use_dot needs")]:
+                            ({"num_warps": 3}, "num_warps"), ({"block_k": 8}, "dot needs"),
+                            ({"block_f": 8}, "dot needs")]:
         with pytest.raises(ValueError, match=message):
             GemvConfig(**kwargs)

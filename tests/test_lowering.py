@@ -127,9 +127,9 @@ def test_sparse_outer_lowers(n_values):
 
 
 @pytest.mark.parametrize("config", [
-    None,  # the default: broadcast product (m < 16) or dot, split over D
-    GemvConfig(block_f=64, block_k=32, k_splits=3, use_dot=False, num_warps=2),
-    GemvConfig(block_f=128, block_k=64, k_splits=1, use_dot=True, num_stages=4),
+    None,  # the default: split over D
+    GemvConfig(block_f=64, block_k=32, k_splits=3, num_warps=2),
+    GemvConfig(block_f=128, block_k=64, k_splits=1, num_stages=4),
 ])
 @pytest.mark.parametrize("m", [1, 5, 64])
 @pytest.mark.parametrize("ragged", [True, False], ids=["ragged_bias", "exact_nobias"])

@@ -183,19 +183,23 @@ def test_gate_bias_params_features_and_activity():
         dataclasses.replace(TINY, gate_bias=1)
 
 
+@pytest.mark.parametrize("gemv_kernel", [False, True], ids=["xla", "gemv"])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["out_f32", "out_bf16"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_mixed_precision_matmul(dtype, out_dtype):
-    """``dense.mixed_precision_matmul`` (the projections and the logits): the output dtype
-    asked for, gradients as autodiff's of the float32 product (exactly in float32), and every
-    backward GEMM reads the compute dtype and accumulates in float32."""
+def test_mixed_precision_matmul(dtype, out_dtype, gemv_kernel):
+    """``dense.mixed_precision_matmul`` (the projections and the logits; with ``gemv_kernel``
+    on the GEMV kernel, interpret mode here): the output dtype asked for, gradients as
+    autodiff's of the float32 product (exactly in float32), and every backward GEMM reads the
+    compute dtype and accumulates in float32."""
     from twell_jax.dense import mixed_precision_matmul
 
     kx, kw, kc = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(kx, (2, 5, 32), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (32, 48), jnp.float32) / 6).astype(dtype)
     ct = jax.random.normal(kc, (2, 5, 48), jnp.float32)
-    fn = lambda x, w: mixed_precision_matmul(x, w, out_dtype)
+    fn = lambda x, w: mixed_precision_matmul(x, w, out_dtype, gemv_kernel)
+    forward = str(jax.make_jaxpr(fn)(x, w))
+    assert ("twell_gemv" in forward) == gemv_kernel
     plain = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
                                  precision=jax.lax.Precision.HIGHEST)
     loss = lambda f: (lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct))

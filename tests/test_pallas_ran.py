@@ -19,7 +19,7 @@ SPARSE = tj.TwELLConfig(dense_fallback_density=1.0, decode_rows=0)
 
 def _kernel_names(text: str) -> set[str]:
     return set(re.findall(
-        r"twell_(?:row_pack|row_up_down|row_backward|sparse_outer|scan_up_down)", text))
+        r"twell_(?:row_pack|row_up_down|row_backward|sparse_outer|scan_up_down|gemv)", text))
 
 
 def test_forward_and_backward_lower_the_kernels():
@@ -38,6 +38,9 @@ def test_forward_and_backward_lower_the_kernels():
     decode = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas"))
     assert _kernel_names(decode.lower(x, *weights).as_text(debug_info=True)) == {
         "twell_scan_up_down"}
+    # Below 8 rows the gate product runs on the GEMV kernel too.
+    assert _kernel_names(decode.lower(x[:4], *weights).as_text(debug_info=True)) == {
+        "twell_gemv", "twell_scan_up_down"}
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -37,48 +37,33 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> j
     return jnp.dot(jnp.concatenate([x, ones], axis=1), jnp.concatenate([w, rows], axis=0))
 
 
-@jax.custom_vjp
-def few_rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` for x [M, K] with M <= 64 rows (``pallas_kernels.gemv``), w [K, N] of x's
-    dtype: [M, N] in x.dtype, float32 accumulation. Differentiable: the backward is XLA's
-    (dx = dy @ w^T, dw = x^T @ dy), so a small training batch can take this path too."""
-    return gemv(x, w, None)
-
-
-def _few_rows_fwd(x, w):
-    return gemv(x, w, None), (x, w)
-
-
-def _few_rows_bwd(residuals, dy):
-    x, w = residuals
-    dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.dot(x.T, dy, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw
-
-
-few_rows_matmul.defvjp(_few_rows_fwd, _few_rows_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def mixed_precision_matmul(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def mixed_precision_matmul(x: jax.Array, w: jax.Array, out_dtype, gemv_kernel: bool = False
+                           ) -> jax.Array:
     """``x @ w`` (x [..., K], w [K, N], both in the compute dtype) -> [..., N] in
-    ``out_dtype``, float32 accumulation, rounded once.
+    ``out_dtype``, float32 accumulation, rounded once. ``gemv_kernel``: the product runs on
+    ``pallas_kernels.gemv`` (at most 64 rows of x; XLA turns a one-row product into a slow
+    column reduction).
 
-    The backward GEMMs read the compute dtype too (the cotangent is rounded to x.dtype, as
-    mixed-precision training does) and accumulate in float32, rounded after: so under data
-    parallelism the weight gradient's sum over devices is taken in float32. Plain autodiff of
-    a float32-output product would feed the float32 cotangent to float32 (TF32) GEMMs: on
-    the H100 the 0.5b model's attention projections and output layer spent ~50 ms of a 164 ms
-    training step that way (BENCHMARKS.md, run 20). With float32 operands nothing is
-    rounded."""
+    The backward GEMMs (XLA's) read the compute dtype too (the cotangent is rounded to
+    x.dtype, as mixed-precision training does) and accumulate in float32, rounded after: so
+    under data parallelism the weight gradient's sum over devices is taken in float32. Plain
+    autodiff of a float32-output product would feed the float32 cotangent to float32 (TF32)
+    GEMMs: on the H100 the 0.5b model's attention projections and output layer spent ~50 ms
+    of a 164 ms training step that way (BENCHMARKS.md, run 20). With float32 operands nothing
+    is rounded."""
+    if gemv_kernel:
+        k = x.shape[-1]
+        y = gemv(x.reshape(-1, k), w, None).reshape(*x.shape[:-1], w.shape[1])
+        return y.astype(out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _mixed_fwd(x, w, out_dtype):
-    return mixed_precision_matmul(x, w, out_dtype), (x, w)
+def _mixed_fwd(x, w, out_dtype, gemv_kernel):
+    return mixed_precision_matmul(x, w, out_dtype, gemv_kernel), (x, w)
 
 
-def _mixed_bwd(out_dtype, residuals, dy):
+def _mixed_bwd(out_dtype, gemv_kernel, residuals, dy):
     x, w = residuals
     dy = dy.astype(x.dtype)
     dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(x.dtype)

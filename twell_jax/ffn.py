@@ -19,8 +19,9 @@ The implementations are the backends of ``twell_jax.backends``, looked up by nam
   the backward's per-row products.
 
 Calls of at most ``TwELLConfig.decode_rows`` token rows that are not differentiated (decode
-steps) skip the lists: the backend's ``decode`` runs the gate GEMM and one kernel that walks each
-row's active units (``pallas_kernels.scan_up_down``), exact for every row whatever its count.
+steps) skip the lists: the backend's ``decode`` runs the gate product and one kernel that walks
+each row's active units (``pallas_kernels.scan_up_down``), exact for every row whatever its
+count.
 
 The L1 statistic (``stats.l1``) is differentiable on every path: its gradient is folded into
 the sparse backward, so ``loss + coeff * stats.l1`` trains the L1 penalty at no dense cost.

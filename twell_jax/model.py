@@ -53,7 +53,7 @@ from pallas_kernels.decode_attention import decode_attention_reference
 from pallas_kernels.gemv import FEW_ROWS as GEMV_FEW_ROWS
 from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
-from twell_jax.dense import few_rows_matmul, mixed_precision_matmul
+from twell_jax.dense import mixed_precision_matmul
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Implementation
 from twell_jax.ffn import RESIDUALS_NAME, FFNStats
 
@@ -319,11 +319,10 @@ class Attention(nnx.Module):
     def _matmul(self, x: jax.Array, w: nnx.Param) -> jax.Array:
         """x [B, T, K] @ w [K, N] -> [B, T, N] in the compute dtype (float32 accumulation);
         fewer than ``GEMV_FEW_ROWS`` (8) rows on the GEMV kernel when ``decode_kernels``."""
-        b, t, k = x.shape
-        x, w = x.astype(self.dtype), w[...].astype(self.dtype)
-        if self._kernels() and b * t < GEMV_FEW_ROWS:
-            return few_rows_matmul(x.reshape(b * t, k), w).reshape(b, t, -1)
-        return mixed_precision_matmul(x, w, self.dtype)
+        b, t, _ = x.shape
+        gemv_kernel = self._kernels() and b * t < GEMV_FEW_ROWS
+        return mixed_precision_matmul(x.astype(self.dtype), w[...].astype(self.dtype),
+                                      self.dtype, gemv_kernel)
 
     def _project(self, x: jax.Array, w: nnx.Param, heads: int) -> jax.Array:
         b, t, _ = x.shape
