@@ -20,11 +20,15 @@ Per preset, one subprocess calibrates and saves the biases, then one subprocess 
 implementation measures (each its own process, so ``memory_stats()``' peak is its own):
 prefill (last-position logits of B x T tokens), decode-sized forwards (n sequences of one token,
 no KV cache: the FFN and projections of a decode step, not its attention over a cache), a
-training step (loss with the L1 term, backward, AdamW; remat by default), the FFN and attention
+training step (loss with the L1 term, backward, AdamW) under each ``--remat`` setting (on: each
+block recomputed in the backward, the FFN outputs and the sparse lists kept; off: nothing
+recomputed; a setting that does not fit is reported as ``oom``), the FFN and attention
 sublayers alone (for the time breakdown), peak device memory and energy per token (board power
 from NVML sampled every few ms during the timed loop, integrated; the driver's energy counter as
 a cross-check). Median over ``--runs`` synchronised repetitions after two warm-up calls.
-One JSON line per measurement goes to ``--out``; a table of xla / pallas ratios is printed last.
+One JSON line per measurement goes to ``--out``; a table of xla / pallas ratios is printed last,
+training compared per setting and fastest against fastest (the honest baseline: the dense
+model trained as fast as it fits).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ class BenchConfig:
     train_batch: str = flag("8x2048", "training micro-batch BxT ('' to skip training)")
     decode: str = flag("1,8,64", "decode-sized forwards: sequences of one token")
     runs: int = flag(10, "timed repetitions per measurement (median reported)")
-    remat: bool = flag(True, "recompute blocks in the backward (ModelConfig.remat)")
+    remat: str = flag("on,off", "training remat settings to time (ModelConfig.remat), comma "
+                      "list of on/off; the table compares each model's fastest that fits")
     l1_coeff: float = flag(1e-4, "L1 coefficient in the training loss")
     seed: int = flag(0, "seed of the weights and the token batches")
     time_budget: float = flag(0.0, "seconds; later presets are skipped and reported (0: none)")
@@ -100,11 +105,22 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
         parse_shapes(cfg.train_batch, "--train-batch")
         if any(int(n) <= 0 for n in filter(None, cfg.decode.split(","))):
             raise ValueError("--decode sizes must be positive")
+        remat_settings(cfg.remat)
         if cfg.runs < 1 or cfg.target_nnz <= 0:
             raise ValueError("--runs and --target-nnz must be positive")
     except ValueError as e:
         parser.error(str(e))
     return cfg, worker
+
+
+def remat_settings(text: str) -> list[bool]:
+    """'off,on' -> [True, False]: the remat settings training is timed under, remat on first
+    (the peak-memory counter only grows, so the lighter setting is measured first)."""
+    settings = [v.strip().lower() for v in text.split(",") if v.strip()]
+    bad = [v for v in settings if v not in ("on", "off")]
+    if bad or len(set(settings)) != len(settings):
+        raise ValueError(f"--remat: a comma list of on / off without repeats, got {text!r}")
+    return sorted((v == "on" for v in settings), reverse=True)  # on first: peak memory grows
 
 
 # ------------------------------------------------------------------------------------------
@@ -272,6 +288,11 @@ def jit_over_state(fn: Callable, module: nnx.Module):
     return (lambda *args: jitted(state, *args)), jitted, state
 
 
+def device_bytes_limit() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats or "bytes_limit" not in stats else int(stats["bytes_limit"])
+
+
 def peak_bytes() -> int | None:
     stats = jax.devices()[0].memory_stats()
     return None if not stats else int(stats.get("peak_bytes_in_use", 0))
@@ -291,8 +312,8 @@ def compiled_bytes(lowered) -> int | None:
 
 
 def build_model(preset: str, implementation: str, cfg: BenchConfig):
-    return model_lib.build(preset, implementation=implementation, gate_bias=True,
-                           remat=cfg.remat, seed=cfg.seed)
+    """The preset with gate biases, remat off (training sets it per measurement)."""
+    return model_lib.build(preset, implementation=implementation, gate_bias=True, seed=cfg.seed)
 
 
 def token_batch(mcfg, cfg: BenchConfig, b: int, t: int) -> jax.Array:
@@ -375,14 +396,41 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
     for b, t in parse_shapes(cfg.train_batch, ""):
         tokens = token_batch(mcfg, cfg, b, t + 1)
         breakdown(model, tokens[:, :-1], cfg, emit, base)
-        optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
-        step, lowered, sync = adamw_step(model, optimizer, tokens, cfg.l1_coeff)
-        step_bytes = compiled_bytes(lowered)
+        for remat in remat_settings(cfg.remat):
+            if not time_training(model, tokens, remat, cfg, sampler, record, emit, base):
+                break  # out of memory: the model's arrays may have been donated
+
+
+def time_training(model, tokens, remat: bool, cfg: BenchConfig, sampler, record, emit,
+                  base: dict) -> bool:
+    """Times AdamW steps on ``tokens`` [B, T + 1] with remat on or off (the model keeps its
+    parameters; only the traced program changes). A step that does not fit in device memory
+    is reported as an ``oom`` row (False returned), not as a failed worker: the fastest
+    setting that fits is the honest baseline."""
+    b, t = tokens.shape[0], tokens.shape[1] - 1
+    model.cfg = dataclasses.replace(model.cfg, remat=remat)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
+    step, lowered, sync = adamw_step(model, optimizer, tokens, cfg.l1_coeff)
+    step_bytes = compiled_bytes(lowered)
+    limit = device_bytes_limit()
+    oom = {"kind": "oom", **base, "mode": "train", "shape": [b, t], "remat": remat,
+           "compiled_bytes": step_bytes, "bytes_limit": limit}
+    if step_bytes is not None and limit is not None and step_bytes > limit:
+        emit({**oom, "reason": "the compiled step needs more than the device holds"})
+        return True  # nothing ran: the state is intact
+    try:
         loss = float(step())
-        record("train", [b, t], b * t, time_call(step, cfg.runs, sampler),
-               loss=loss, remat=cfg.remat, compiled_bytes=step_bytes)
-        sync()
-        emit({"kind": "memory", **base, "phase": "training", "peak_bytes": peak_bytes()})
+        timing = time_call(step, cfg.runs, sampler)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        emit({**oom, "reason": str(e).splitlines()[0][:300]})
+        return False
+    record("train", [b, t], b * t, timing, loss=loss, remat=remat, compiled_bytes=step_bytes)
+    sync()
+    emit({"kind": "memory", **base, "phase": "training", "remat": remat,
+          "peak_bytes": peak_bytes()})
+    return True
 
 
 def breakdown(model, tokens, cfg: BenchConfig, emit: Callable, base: dict) -> None:
@@ -450,25 +498,47 @@ def drive(cfg: BenchConfig, argv: list[str]) -> list[dict]:
     return rows
 
 
+def _label(r: dict) -> str:
+    """A time or memory row's measurement, e.g. 'train 8x2048 remat off'."""
+    if r["kind"] == "memory":
+        phase = r["phase"] + ("" if r.get("remat") is None else
+                              f", remat {'on' if r['remat'] else 'off'}")
+        return f"peak memory ({phase}) GiB"
+    label = f"{r['mode']} {'x'.join(map(str, r['shape']))}"
+    if r["mode"] == "train" and r.get("remat") is not None:
+        label += f" remat {'on' if r['remat'] else 'off'}"
+    return label
+
+
 def ratio_table(rows: list[dict]) -> list[dict]:
     """One row per (preset, metric): xla, pallas and pallas / xla (tokens/s, mJ per token,
-    peak bytes)."""
+    peak bytes). Training is also compared best against best: each model's fastest remat
+    setting that fitted (the honest baseline: the dense model as fast as it can be trained)."""
     by_key: dict = {}
+    best: dict = {}  # (preset, shape) -> {implementation: (tokens/s, remat)}
     for r in rows:
         if r["kind"] == "time":
-            metrics = {f"{r['mode']} {'x'.join(map(str, r['shape']))} tokens/s": r["tokens_per_s"]}
+            metrics = {f"{_label(r)} tokens/s": r["tokens_per_s"]}
             if r.get("mj_per_token") is not None:
-                metrics[f"{r['mode']} {'x'.join(map(str, r['shape']))} mJ/token"] = \
-                    r["mj_per_token"]
+                metrics[f"{_label(r)} mJ/token"] = r["mj_per_token"]
+            if r["mode"] == "train":
+                key = (r["preset"], "x".join(map(str, r["shape"])))
+                mine = best.setdefault(key, {})
+                if r["tokens_per_s"] > mine.get(r["implementation"], (0.0, None))[0]:
+                    mine[r["implementation"]] = (r["tokens_per_s"], r.get("remat"))
         elif r["kind"] == "memory":
-            metrics = {f"peak memory ({r['phase']}) GiB":
-                       None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30}
+            metrics = {_label(r): None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30}
         elif r["kind"] == "breakdown":
             metrics = {f"{r['part']} {r['pass']} ms (all layers)": r["all_layers_ms"]}
         else:
             continue
         for name, value in metrics.items():
             by_key.setdefault((r["preset"], name), {})[r["implementation"]] = value
+    for (preset, shape), mine in best.items():
+        remat = {impl: "on" if v[1] else "off" for impl, v in mine.items()}
+        name = (f"train {shape} fastest tokens/s (remat xla {remat.get('xla', '-')}, "
+                f"pallas {remat.get('pallas', '-')})")
+        by_key[(preset, name)] = {impl: v[0] for impl, v in mine.items()}
     table = []
     for (preset, name), values in by_key.items():
         xla, pallas = values.get("xla"), values.get("pallas")
@@ -480,10 +550,10 @@ def ratio_table(rows: list[dict]) -> list[dict]:
 
 def print_table(table: list[dict]) -> None:
     fmt = lambda v: "-" if v is None else (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3f}")
-    print(f"\n{'preset':<7} {'metric':<44} {'xla':>12} {'pallas':>12} {'pallas/xla':>10}")
+    print(f"\n{'preset':<7} {'metric':<58} {'xla':>12} {'pallas':>12} {'pallas/xla':>10}")
     for r in table:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        print(f"{r['preset']:<7} {r['metric']:<44} {fmt(r['xla']):>12} {fmt(r['pallas']):>12} "
+        print(f"{r['preset']:<7} {r['metric']:<58} {fmt(r['xla']):>12} {fmt(r['pallas']):>12} "
               f"{ratio:>10}")
 
 

@@ -51,11 +51,40 @@ def test_end_to_end_on_tiny(bench, tmp_path, capsys):
     assert all(len(r["nnz_mean"]) == 2 for r in prefill)  # per-layer statistics
     parts = {(r["part"], r["pass"]) for r in rows if r["kind"] == "breakdown"}
     assert len(parts) == 4
+    train = [r for r in times if r["mode"] == "train"]
+    assert sorted((r["implementation"], r["remat"]) for r in train) == [
+        ("pallas", False), ("pallas", True), ("xla", False), ("xla", True)]
+    table = bench.ratio_table(rows)
+    fastest = [r for r in table if "fastest" in r["metric"]]
+    assert len(fastest) == 1 and fastest[0]["ratio"] > 0
+    for impl in ("xla", "pallas"):  # the fastest row holds each model's best setting
+        assert fastest[0][impl] == max(r["tokens_per_s"] for r in train
+                                       if r["implementation"] == impl)
     assert (tmp_path / "ratios.png").stat().st_size > 1000
     assert "pallas/xla" in capsys.readouterr().out
 
 
 def test_bad_flags_exit(bench):
-    for flags in (["--presets", "nope"], ["--prefill", "8by2048"], ["--pattern", "zipf"]):
+    for flags in (["--presets", "nope"], ["--prefill", "8by2048"], ["--pattern", "zipf"],
+                  ["--remat", "maybe"], ["--remat", "on,on"]):
         with pytest.raises(SystemExit):
             bench.parse_args(flags)
+
+
+def test_remat_settings(bench):
+    assert bench.remat_settings("off,on") == [True, False]  # on first: peak memory only grows
+    assert bench.remat_settings("off") == [False]
+    assert bench.remat_settings("") == []
+
+
+def test_ratio_table_fastest_training_against_fastest(bench):
+    """The dense model's fastest setting is the baseline, whichever it is."""
+    base = {"kind": "time", "preset": "p", "mode": "train", "shape": [8, 2048]}
+    rows = [{**base, "implementation": "xla", "remat": True, "tokens_per_s": 100.0},
+            {**base, "implementation": "xla", "remat": False, "tokens_per_s": 130.0},
+            {**base, "implementation": "pallas", "remat": True, "tokens_per_s": 120.0},
+            {"kind": "oom", "preset": "p", "implementation": "pallas", "remat": False}]
+    table = {r["metric"]: r for r in bench.ratio_table(rows)}
+    fastest = table["train 8x2048 fastest tokens/s (remat xla off, pallas on)"]
+    assert fastest["ratio"] == pytest.approx(120 / 130)
+    assert table["train 8x2048 remat on tokens/s"]["ratio"] == pytest.approx(1.2)
