@@ -5,7 +5,7 @@ gate biases calibrated to ``--mean-nnz`` active units per token as in ``bench_mo
 
 - prefill: the last position's logits of ``--prefill`` (B x T) tokens, as ``bench_model.py``;
 - train (``--train``): one training step (loss with the L1 term, backward, AdamW) as
-  ``bench_model.py`` times it, remat on;
+  ``bench_model.py`` times it, remat as ``--remat``;
 - decode: ``model.generation_steps`` (generate's jitted loop) for ``--decode-steps`` steps at
   batch ``--decode-batch`` after a prompt of ``--context`` minus those steps (bf16 parameters,
   no statistics, as ``bench_generate.py`` times it).
@@ -55,6 +55,7 @@ class ProfileConfig:
     prefill: str = flag("8x2048", "prefill shape BxT ('' to skip)")
     train: str = flag("", "training step shape BxT ('' to skip)")
     l1_coeff: float = flag(1e-4, "L1 coefficient of the training loss")
+    remat: bool = flag(False, "recompute each block in the training step's backward")
     decode_batch: int = flag(1, "sequences in the decode loop (0 to skip decode)")
     context: int = flag(2048, "prompt + decode steps of the decode program")
     decode_steps: int = flag(32, "decode steps per profiled loop")
@@ -160,7 +161,7 @@ def profile(fn: Callable[[], object], runs: int) -> dict:
 def _model(preset: str, impl: str, cfg: ProfileConfig, biases: np.ndarray | None,
            param_dtype=jnp.float32) -> model_lib.Transformer:
     model = model_lib.build(preset, implementation=impl, gate_bias=True, param_dtype=param_dtype,
-                            remat=True, seed=cfg.seed)
+                            remat=cfg.remat, seed=cfg.seed)
     if biases is not None:
         for block, bias in zip(model.blocks, biases):
             block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)

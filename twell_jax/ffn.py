@@ -136,19 +136,25 @@ def _backup_sizes(m: int, config: TwELLConfig) -> tuple[int, ...]:
     return tuple(sorted({max(1, -(-m // 2**e)) for e in range(7)}))
 
 
-def _backup_branch(num_heavy: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
-    """0 when no row is heavy, else 1 + the index of the smallest size >= num_heavy."""
+def _route(dense: jax.Array, num_heavy: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """The index of the one ``lax.switch`` that runs a call (forward, and again backward):
+    0 the whole batch dense, 1 the lists alone (no heavy row), 2 + i the lists plus the dense
+    backup at ``sizes[i]``, the smallest that holds the heavy rows.
+
+    Why one switch: on a GPU each data-dependent branch copies its index to the host and
+    waits for it, so the device idles while the host launches the branch; one switch per
+    direction instead of a dense/sparse ``cond`` around a backup ``switch`` halves those waits."""
     bigger = sum((num_heavy > s).astype(jnp.int32) for s in sizes[:-1]) if sizes else 0
-    return jnp.where(num_heavy > 0, 1 + bigger, 0)
+    sparse = jnp.where(num_heavy > 0, 2 + bigger, 1)
+    return jnp.where(dense, 0, jnp.minimum(sparse, 1 + len(sizes)))
 
 
-def _run_backup(heavy, num_heavy, sizes, run_rows, init):
-    """Calls ``run_rows(index [size])`` for the right bucket; ``init`` when no row is heavy."""
-    branches = [lambda: init] + [
-        functools.partial(lambda size: run_rows(heavy_row_index(heavy, size)), size)
-        for size in sizes
-    ]
-    return jax.lax.switch(jnp.minimum(_backup_branch(num_heavy, sizes), len(sizes)), branches)
+def _backup_branches(run, heavy: jax.Array, sizes: tuple[int, ...]) -> list:
+    """The switch's sparse branches: ``run(None)`` (no heavy row), then ``run(index [size])``
+    (the heavy rows' indices, padded with M) for each backup size."""
+    return [lambda: run(None)] + [
+        functools.partial(lambda size: run(heavy_row_index(heavy, size)), size)
+        for size in sizes]
 
 
 # ----------------------------------------------------------------------------------------
@@ -222,10 +228,9 @@ def _light_lists(lists: RowLists, heavy: jax.Array, f: int, config: TwELLConfig)
     return RowLists(values, columns, row_nnz)
 
 
-def _sparse_forward(backend: Backend, x, weights, bias, gated, gate: RowLists, heavy, num_heavy,
-                    sizes):
-    """Light rows on the lists, heavy rows through the dense backup: (y [M, D] x.dtype, l1 sum
-    [] f32, up_values [M, K] f32 or [M, 0])."""
+def _sparse_forward(backend: Backend, x, weights, bias, gated, gate: RowLists, index):
+    """Light rows on the lists, heavy rows ``index`` [size] (None: no heavy row) through the
+    dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values [M, K] f32 or [M, 0])."""
     m = x.shape[0]
     if gated:
         _, w_up, w_down = weights
@@ -237,15 +242,12 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, gate: RowLists, h
         h = gate.values.astype(_F32)
     l1_sum = jnp.sum(jnp.abs(h))  # unused entries hold 0
     y = y.astype(x.dtype)
-
-    def run_rows(index):
-        rows = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
-        y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
-        return (y.at[index].set(y_rows, mode="drop"),
-                l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)))
-
-    y_out, l1 = _run_backup(heavy, num_heavy, sizes, run_rows, (y, l1_sum))
-    return y_out, l1, up_values
+    if index is None:
+        return y, l1_sum, up_values
+    rows = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+    y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
+    return (y.at[index].set(y_rows, mode="drop"),
+            l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)), up_values)
 
 
 def _dense_forward(x, weights, bias, gated, pre, up_slots: int):
@@ -272,11 +274,11 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     if backend.cost_model_routes:
         dense = dense | _cheaper_dense(row_nnz_all, heavy, x, f, config)
 
-    sparse_branch = functools.partial(_sparse_forward, backend, x, weights, bias, gated, gate,
-                                      heavy, num_heavy, sizes)
+    sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, gate)
     dense_branch = functools.partial(_dense_forward, x, weights, bias, gated, pre,
                                      gate.values.shape[1] if gated else 0)
-    y, l1_sum, up_values = jax.lax.cond(dense, dense_branch, sparse_branch)
+    y, l1_sum, up_values = jax.lax.switch(_route(dense, num_heavy, sizes),
+                                          [dense_branch, *_backup_branches(sparse, heavy, sizes)])
     stats = FFNStats(
         nnz_mean=jnp.mean(row_nnz_all.astype(_F32)),
         nnz_p99=_p99(row_nnz_all),
@@ -343,13 +345,11 @@ def _add_backup_grads(gated: bool, r: _Residuals, dy, l1_ct, grads, index):
     return dx_out, tuple(a + b.astype(_F32) for a, b in zip(d_weights, rows_dw)), db_out
 
 
-def _sparse_backward(backend: Backend, gated: bool, config: TwELLConfig, r: _Residuals, dy,
-                     l1_ct):
-    """Gradients of the sparse forward: the lists' products plus the dense backup's rows."""
+def _sparse_backward(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct, index):
+    """Gradients of the sparse forward: the lists' products plus, for the heavy rows ``index``
+    [size] (None: no heavy row), the dense backup's."""
     grads = _list_grads(backend, gated, r, dy, l1_ct)
-    run_rows = functools.partial(_add_backup_grads, gated, r, dy, l1_ct, grads)
-    sizes = _backup_sizes(r.x.shape[0], config)
-    return _run_backup(r.heavy, r.num_heavy, sizes, run_rows, grads)
+    return grads if index is None else _add_backup_grads(gated, r, dy, l1_ct, grads, index)
 
 
 def _dense_backward(gated: bool, r: _Residuals, dy, l1_ct):
@@ -363,10 +363,12 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     dy, stats_ct = cotangents
     r = residuals
     l1_ct = stats_ct.l1.astype(_F32) / r.x.shape[0]  # d(l1)/dh = sign(h) / M
-    sparse_branch = functools.partial(_sparse_backward, backends.get(implementation), gated,
-                                      config, r, dy, l1_ct)
+    sizes = _backup_sizes(r.x.shape[0], config)
+    sparse = functools.partial(_sparse_backward, backends.get(implementation), gated, r, dy,
+                               l1_ct)
     dense_branch = functools.partial(_dense_backward, gated, r, dy, l1_ct)
-    dx, d_weights, d_bias = jax.lax.cond(r.dense, dense_branch, sparse_branch)
+    dx, d_weights, d_bias = jax.lax.switch(_route(r.dense, r.num_heavy, sizes),
+                                           [dense_branch, *_backup_branches(sparse, r.heavy, sizes)])
     x, weights, bias = r.x, r.weights, r.bias
     return (dx.astype(x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, weights)),
             None if bias is None else d_bias.astype(bias.dtype))
