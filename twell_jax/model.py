@@ -329,20 +329,12 @@ class Attention(nnx.Module):
     def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> q [B, T, N, H], k, v [B, T, Nkv, H], not rotated.
 
-        On the GEMV kernel the three products are one call over the concatenated weights
-        [D, (N + 2 Nkv) H]: one launch instead of three, and a wider grid that reads the
-        weights nearer the memory's speed. The concatenation copies the weights, but inside
-        a decode loop it is loop-invariant and XLA hoists it out of the loop."""
+        Three products: one GEMV call over the concatenated weights measured slower at decode
+        (the concatenation was not hoisted out of the decode loop: BENCHMARKS.md, run 23)."""
         b, t, _ = x.shape
         heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
-        weights = tuple(w[...].astype(self.dtype) for w in (self.w_q, self.w_k, self.w_v))
-        if self._gemv(x):
-            qkv = self._matmul(x, jnp.concatenate(weights, axis=1))
-            bounds = np.cumsum([n * self.head_dim for n in heads])[:-1]
-            outs = jnp.split(qkv, bounds, axis=-1)
-        else:
-            outs = [self._matmul(x, w) for w in weights]
-        return tuple(o.reshape(b, t, n, self.head_dim) for o, n in zip(outs, heads))
+        return tuple(self._matmul(x, w[...]).reshape(b, t, n, self.head_dim)
+                     for w, n in zip((self.w_q, self.w_k, self.w_v), heads))
 
     def _output(self, out: jax.Array) -> jax.Array:
         b, t = out.shape[:2]
