@@ -61,10 +61,11 @@ def commit() -> str:
 
 def header(command: str, **fields) -> dict:
     """The first JSON-lines row of a run: date, device, jax version, commit, command line,
-    then ``fields`` (a script's config, ...)."""
+    XLA_FLAGS (they change what XLA compiles), then ``fields`` (a script's config, ...)."""
     return {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-            "commit": commit(), "command": command, **fields}
+            "commit": commit(), "command": command, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            **fields}
 
 
 def summarize_ms(samples: Sequence[float]) -> dict:
