@@ -1,11 +1,13 @@
-"""Stage-by-stage timing of the sparse FFN's forward kernels and their variants (H100 probe).
+"""Stage-by-stage timing of the sparse FFN's kernels and their variants (H100 probe).
 
     python experiments/bench_stages.py --cases m16k_uniform28 --out runs/stages.jsonl
 
 Times, in one process: the dense FFN as a user writes it (three bf16 GEMMs; the same as plain
 ``nnx.Linear`` layers), ``implementation="xla"`` and ``"pallas"``, XLA's bare gate GEMM, the
-packing pass (``row_pack``) and the up/down kernel (``row_up_down``) with several knob settings,
-each checked before it is timed. One JSON line per measurement; a table last.
+packing pass (``row_pack``) and the up/down kernel (``row_up_down``) with several knob settings
+(``--stages forward``), and the backward's dW kernel (``sparse_outer``: one or two values
+arrays, [F, D] or transposed [D, F] outputs) with several blocks (``--stages outer``), each
+checked before it is timed. One JSON line per measurement; a table last.
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ import twell_jax as tj  # noqa: E402
 from pallas_kernels.row_pack import RowPackConfig, row_pack  # noqa: E402
 from pallas_kernels.row_up_down import (RowUpDownConfig, row_up_down,  # noqa: E402
                                         row_up_down_reference)
+from pallas_kernels.sparse_outer import SparseOuterConfig, sparse_outer  # noqa: E402
 
 PACK_VARIANTS = [(1, 512, 1, 2), (1, 512, 1, 1), (1, 512, 1, 3), (1, 256, 1, 2), (2, 512, 1, 2),
                  (1, 128, 1, 2)]
 UP_DOWN_VARIANTS = [(2048, 4, 1), (2048, 4, 2), (2048, 8, 1), (1024, 4, 1)]
+# sparse_outer (block_f, block_d, num_warps, num_stages); the first is the default.
+OUTER_VARIANTS = [(16, 512, 4, 1), (16, 512, 8, 1), (16, 256, 4, 1), (8, 512, 4, 1),
+                  (32, 256, 8, 1), (16, 512, 4, 2)]
 
 
-def run(case_name: str, runs: int, emit) -> None:
+def run(case_name: str, runs: int, emit, stages: tuple[str, ...] = ("forward",)) -> None:
     case = bench_ffn.CASES[case_name]
     x, wg, wu, wd = bench_ffn.make_case_inputs(case)
     m, d = x.shape
@@ -53,6 +59,10 @@ def run(case_name: str, runs: int, emit) -> None:
             row["TB_per_s"] = nbytes / (t["median_ms"] * 1e-3) / 1e12
         emit(row)
 
+    if "outer" in stages:
+        outer_variants(case_name, x, wg, cfg, slots, measure, emit)
+    if "forward" not in stages:
+        return
     dense = lambda x, wg, wu, wd: jnp.dot(jax.nn.relu(jnp.dot(x, wg)) * jnp.dot(x, wu), wd)
     measure("ffn", "dense_bf16_gemms", jax.jit(dense), x, wg, wu, wd, y_check=True)
     measure("ffn", "flax_nnx_linear", jax.jit(bench_ffn.flax_dense_mlp), x, wg, wu, wd)
@@ -105,10 +115,43 @@ def run(case_name: str, runs: int, emit) -> None:
             w_up_t, wd)
 
 
+def outer_variants(case_name, x, wg, cfg, slots, measure, emit) -> None:
+    """``sparse_outer`` as the backward runs it: dW_down from one values array against dy
+    (``n1``), dW_gate and dW_up from two against x (``n2``), [F, D] or transposed outputs;
+    each variant checked against the default blocks' [F, D] result."""
+    m, d = x.shape
+    f = wg.shape[1]
+    pre = jnp.dot(x, wg)
+    values, columns, counts, total = row_pack(pre, tile_width=cfg.tile_width, num_slots=slots)
+    row_nnz = jnp.where(tj.format.heavy_rows(counts, cfg, f), 0, total)
+    values, columns = tj.format.mask_lists(values, columns, row_nnz)
+    second = values.astype(jnp.float32) * 0.5 + 1.0  # a second values array on the pattern
+    entries = float(jnp.sum(row_nnz))
+    emit({"case": case_name, "stage": "outer_lists", "entries": entries})
+    for n in (1, 2):
+        vals = (values.astype(jnp.float32), second)[:n]
+        want = jax.jit(lambda v, c, r, b: sparse_outer(v, c, r, b, f))(vals, columns, row_nnz, x)
+        for transposed in (False, True):
+            for bf, bd, warps, stg in OUTER_VARIANTS:
+                conf = SparseOuterConfig(block_f=bf, block_d=bd, num_warps=warps, num_stages=stg)
+                fn = jax.jit(lambda v, c, r, b, conf=conf, t=transposed: sparse_outer(
+                    v, c, r, b, f, config=conf, transposed=t))
+                got = fn(vals, columns, row_nnz, x)
+                for g, w in zip(got, want):
+                    g = g.T if transposed else g
+                    assert bool(jnp.allclose(g, w, rtol=1e-5, atol=1e-5)), (conf, transposed)
+                # gathered rows of b (bf16) + the [F, D] float32 outputs written
+                nbytes = entries * d * 2 + n * f * d * 4
+                measure("outer", f"n{n}_{'DxF' if transposed else 'FxD'}_f{bf}_d{bd}_w{warps}"
+                        f"_s{stg}", fn, vals, columns, row_nnz, x, nbytes=nbytes)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="m16k_uniform28", help="comma list of bench_ffn cases")
     parser.add_argument("--runs", type=int, default=30, help="timed batches (median reported)")
+    parser.add_argument("--stages", default="forward",
+                        help="comma list: forward (pack, up/down), outer (the backward's dW)")
     parser.add_argument("--out", default="runs/stages.jsonl", help="JSON lines, appended")
     args = parser.parse_args(argv)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -121,7 +164,7 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
 
     for name in args.cases.split(","):
-        run(name, args.runs, emit)
+        run(name, args.runs, emit, tuple(args.stages.split(",")))
     print(f"\n{'case':18} {'stage':8} {'variant':44} {'ms':>7} {'TB/s':>6} {'err':>8}")
     for r in rows:
         if "median_ms" in r:

@@ -117,9 +117,11 @@ def test_row_backward_lowers(gated):
 
 
 @pytest.mark.parametrize("n_values", [1, 2])
-def test_sparse_outer_lowers(n_values):
+@pytest.mark.parametrize("transposed", [False, True], ids=["FxD", "DxF"])
+def test_sparse_outer_lowers(n_values, transposed):
     def fn(columns, row_nnz, b, *values):
-        return sparse_outer(values, columns, row_nnz, b, F, interpret=False)
+        return sparse_outer(values, columns, row_nnz, b, F, transposed=transposed,
+                            interpret=False)
 
     module = export_for_cuda(fn, S((M, K), jnp.int32), S((M,), jnp.int32), S((M, D), BF16),
                              *[S((M, K), jnp.float32)] * n_values)

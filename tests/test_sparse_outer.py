@@ -49,12 +49,14 @@ def float64_outer(values, columns, row_nnz, b):
 @pytest.mark.parametrize("pattern", ["uniform", "zero_rows", "full_rows", "hot_column"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("n_values", [1, 2])
-def test_kernel_matches_reference_and_float64(pattern, dtype, n_values):
+@pytest.mark.parametrize("transposed", [False, True], ids=["FxD", "DxF"])
+def test_kernel_matches_reference_and_float64(pattern, dtype, n_values, transposed):
     seed = {"uniform": 1, "zero_rows": 2, "full_rows": 3, "hot_column": 4}[pattern]
     values, columns, row_nnz, b = make_pattern(seed, pattern, dtype, n_values)
     expected = float64_outer(values, columns, row_nnz, b)
     got = sparse_outer(values, columns, row_nnz, b, F,
-                       config=SparseOuterConfig(block_f=16, block_d=32))
+                       config=SparseOuterConfig(block_f=16, block_d=32), transposed=transposed)
+    got = [g.T for g in got] if transposed else got
     ref = jax.jit(sparse_outer_reference, static_argnums=4)(values, columns, row_nnz, b, F)
     assert len(got) == len(ref) == n_values
     for g, r, e in zip(got, ref, expected):

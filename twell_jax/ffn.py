@@ -313,20 +313,22 @@ def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
     x, weights, gate = r.x, r.weights, r.gate
     f = weights[0].shape[1]
     g = gate.values.astype(_F32)
-    # The transposed products, one [F, D] per values array.
-    outer = lambda values, b: backend.sparse_outer(values, gate.columns, gate.row_nnz, b, f)
+    # The transposed products, one per values array: [F, D] (w_down's layout) or, with
+    # ``transposed``, [D, F] (w_gate's and w_up's: the kernel writes them so, no transpose).
+    outer = lambda values, b, transposed=False: backend.sparse_outer(
+        values, gate.columns, gate.row_nnz, b, f, transposed)
     if gated:
         w_gate, w_up, w_down = weights
         dx, du, dg = backend.row_backward(dy, w_down, w_up.T, w_gate.T, gate, r.up_values, l1_ct)
         (d_w_down,) = outer((g * r.up_values,), dy)
-        d_w_gate, d_w_up = outer((dg, du), x)  # one pass over x serves both
-        d_weights, d_pre = (d_w_gate.T, d_w_up.T, d_w_down), dg
+        d_w_gate, d_w_up = outer((dg, du), x, True)  # one pass over x serves both
+        d_weights, d_pre = (d_w_gate, d_w_up, d_w_down), dg
     else:
         w_up, w_down = weights
         dx, dh, _ = backend.row_backward(dy, w_down, w_up.T, None, gate, None, l1_ct)
         (d_w_down,) = outer((g,), dy)
-        (d_w_up,) = outer((dh,), x)
-        d_weights, d_pre = (d_w_up.T, d_w_down), dh
+        (d_w_up,) = outer((dh,), x, True)
+        d_weights, d_pre = (d_w_up, d_w_down), dh
     # d bias: the pre-activation gradients summed per column.
     d_bias = None if r.bias is None else column_sums(d_pre, gate.columns, gate.row_nnz, f)
     return dx, d_weights, d_bias

@@ -16,9 +16,9 @@ A sparse backend (``sparse=True``) fills the four building blocks:
 - ``row_backward(dy [M, D], w_down, w_up_t, w_gate_t or None, gate: RowLists, up_values or
   None, l1)`` -> ``(dx [M, D] float32, du or dh [M, K] float32, dg or None)``: the per-row
   products of the backward (``pallas_kernels.row_backward`` says what they are).
-- ``sparse_outer(values: tuple of [M, K], columns, row_nnz, b [M, D], d_ff)`` -> tuple of
-  [d_ff, D] float32, one per values array (all share the pattern and b): the transposed
-  products of the backward (dW).
+- ``sparse_outer(values: tuple of [M, K], columns, row_nnz, b [M, D], d_ff, transposed=False)``
+  -> tuple of [d_ff, D] float32 ([D, d_ff] when ``transposed``), one per values array (all
+  share the pattern and b): the transposed products of the backward (dW).
 - ``decode(x [M, D], w_in [D, F], bias [F] or None, w_up_t [F, D] or None, w_down [F, D])`` ->
   ``(y [M, D] x.dtype, l1 [M] float32, active [M, F] bool)`` (optional): the whole sparse FFN
   of a few rows without lists (``w_in`` is the gate, or the up projection when ``w_up_t`` is

@@ -89,10 +89,11 @@ def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
     return dx[:, :d], d1, d2
 
 
-def _sparse_outer(values, columns, row_nnz, b, d_ff):
+def _sparse_outer(values, columns, row_nnz, b, d_ff, transposed=False):
     m, d = b.shape
-    out = sparse_outer(tuple(values), columns, row_nnz, _pad(b, (m, _padded_features(d))), d_ff)
-    return tuple(o[:, :d] for o in out)
+    out = sparse_outer(tuple(values), columns, row_nnz, _pad(b, (m, _padded_features(d))), d_ff,
+                       transposed=transposed)
+    return tuple(o[:d] if transposed else o[:, :d] for o in out)
 
 
 def _decode(x, w_in, bias, w_up_t, w_down):

@@ -50,15 +50,17 @@ def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array,
 
 
 def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax.Array,
-                 b: jax.Array, d_ff: int) -> tuple[jax.Array, ...]:
+                 b: jax.Array, d_ff: int, transposed: bool = False) -> tuple[jax.Array, ...]:
     """Transposed products: out_i[j] = sum over (m, k) with columns[m, k] = j of
     values_i[m, k] * b[m].
 
     values: a tuple of [M, K] arrays sharing the pattern; columns: [M, K]; row_nnz: [M];
-    b: [M, D]. Returns a tuple of [d_ff, D] float32, one per values array (e.g. dW_down =
-    h^T @ dy with h packed). (The ``sparse_outer`` kernel's reference.)
+    b: [M, D]. Returns a tuple of [d_ff, D] float32 ([D, d_ff] when ``transposed``), one per
+    values array (e.g. dW_down = h^T @ dy with h packed). (The ``sparse_outer`` kernel's
+    reference.)
     """
-    return sparse_outer_reference(values, columns, row_nnz, b, d_ff)
+    out = sparse_outer_reference(values, columns, row_nnz, b, d_ff)
+    return tuple(o.T for o in out) if transposed else out
 
 
 def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
