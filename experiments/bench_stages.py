@@ -33,7 +33,8 @@ from pallas_kernels.sparse_outer import SparseOuterConfig, sparse_outer  # noqa:
 PACK_VARIANTS = [(1, 512, 1, 2), (1, 512, 1, 1), (1, 512, 1, 3), (1, 256, 1, 2), (2, 512, 1, 2),
                  (1, 128, 1, 2)]
 UP_DOWN_VARIANTS = [(2048, 4, 1), (2048, 4, 2), (2048, 8, 1), (1024, 4, 1)]
-# sparse_outer (block_f, block_d, num_warps, num_stages); the first is the default.
+# sparse_outer (block_f, block_d, num_warps, num_stages); the default: the first for one
+# values array, the third for two.
 OUTER_VARIANTS = [(16, 512, 4, 1), (16, 512, 8, 1), (16, 256, 4, 1), (8, 512, 4, 1),
                   (32, 256, 8, 1), (16, 512, 4, 2)]
 

@@ -93,11 +93,14 @@ class SparseOuterConfig:
         check_config(self, ("block_f", "block_d", "num_warps"))
 
 
-def default_sparse_outer_config(f: int, d: int) -> SparseOuterConfig:
-    """The row-block gather's measured blocks (16 x 512, 4 warps), transposed. Blocks
-    shrink to the largest power of two dividing f / d."""
+def default_sparse_outer_config(f: int, d: int, n_values: int = 1) -> SparseOuterConfig:
+    """16 units x 512 features, 4 warps, for one values array; 256 features for two or more
+    (one float32 accumulator tile per array: the same registers per program). Measured on
+    the H100 (BENCHMARKS.md, run 25; M = 16384, 28 entries per row, D = 2048, F = 5632): one
+    array 0.93 ms (8 warps 1.01, 256 features 1.15), two arrays transposed 1.12 ms (512
+    features 1.28). Blocks shrink to the largest power of two dividing f / d."""
     return SparseOuterConfig(block_f=largest_pow2_divisor(f, 16),
-                             block_d=largest_pow2_divisor(d, 512))
+                             block_d=largest_pow2_divisor(d, 512 if n_values == 1 else 256))
 
 
 def _check_args(values, columns, row_nnz, b, d_ff):
@@ -169,7 +172,7 @@ def sparse_outer(
     """
     m, k, d = _check_args(values, columns, row_nnz, b, d_ff)
     if config is None:
-        config = default_sparse_outer_config(d_ff, d)
+        config = default_sparse_outer_config(d_ff, d, len(values))
     if d_ff % config.block_f:
         raise ValueError(f"d_ff={d_ff} is not a multiple of block_f={config.block_f}")
     if d % config.block_d:
