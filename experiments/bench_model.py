@@ -396,7 +396,11 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
     for b, t in parse_shapes(cfg.train_batch, ""):
         tokens = token_batch(mcfg, cfg, b, t + 1)
         breakdown(model, tokens[:, :-1], cfg, emit, base)
+        # Every setting starts from the same weights: the timed steps train the model, which
+        # moves its sparsity (and so the sparse model's speed) away from the calibration.
+        initial = jax.tree.map(jnp.copy, nnx.state(model))
         for remat in remat_settings(cfg.remat):
+            nnx.update(model, jax.tree.map(jnp.copy, initial))
             if not time_training(model, tokens, remat, cfg, sampler, record, emit, base):
                 break  # out of memory: the model's arrays may have been donated
 
