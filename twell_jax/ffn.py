@@ -368,9 +368,9 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     sizes = _backup_sizes(r.x.shape[0], config)
     sparse = functools.partial(_sparse_backward, backends.get(implementation), gated, r, dy,
                                l1_ct)
-    dense_branch = functools.partial(_dense_backward, gated, r, dy, l1_ct)
-    dx, d_weights, d_bias = jax.lax.switch(_route(r.dense, r.num_heavy, sizes),
-                                           [dense_branch, *_backup_branches(sparse, r.heavy, sizes)])
+    branches = [functools.partial(_dense_backward, gated, r, dy, l1_ct),
+                *_backup_branches(sparse, r.heavy, sizes)]
+    dx, d_weights, d_bias = jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
     x, weights, bias = r.x, r.weights, r.bias
     return (dx.astype(x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, weights)),
             None if bias is None else d_bias.astype(bias.dtype))
