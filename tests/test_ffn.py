@@ -220,6 +220,40 @@ def test_backup_capacity_boundary_stays_exact(implementation):
         assert_close(y, expected, jnp.float32, what=f"capacity {capacity}")
 
 
+@pytest.mark.parametrize("route", ["lists_and_backup", "overflow_dense", "density_dense"])
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+def test_gradients_on_every_route(implementation, route):
+    """The backward takes the forward's branch (one ``lax.switch`` each way): the backup at
+    exactly its capacity, the whole batch dense on overflow, and dense past the density
+    threshold ("pallas" only: the reference does not route by cost) all give the dense
+    function's gradients."""
+    if route == "density_dense" and implementation != "pallas":
+        pytest.skip("only the pallas backend routes by density")
+    x, *weights = make_ffn_inputs(5, M, D, F, "dense_rows", jnp.float32)
+    _, stats = tj.gated_mlp(x, *weights, implementation="reference", config=CONFIG,
+                            return_stats=True)
+    heavy = int(stats.heavy_rows)
+    assert heavy > 1
+    config = {"lists_and_backup": dataclasses.replace(CONFIG, backup_rows=heavy),
+              "overflow_dense": dataclasses.replace(CONFIG, backup_rows=heavy - 1),
+              "density_dense": dataclasses.replace(CONFIG, dense_fallback_density=0.0)}[route]
+    dy = jnp.asarray(np.random.default_rng(12).standard_normal((M, D)), jnp.float32)
+
+    def loss(x, weights):
+        y, stats = tj.gated_mlp(x, *weights, implementation=implementation, config=config,
+                                return_stats=True)
+        return jnp.sum(y * dy) + 0.05 * stats.l1, stats
+
+    (_, stats), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        x, tuple(weights))
+    assert bool(stats.dense_fallback) == (route != "lists_and_backup")
+    _, vjp = jax.vjp(lambda x, w: dense_ffn_f32(x, *w), x, tuple(weights))
+    expected = vjp((dy, jnp.float32(0.05)))
+    for i, (got, want) in enumerate(zip(jax.tree_util.tree_leaves(grads),
+                                        jax.tree_util.tree_leaves(expected))):
+        assert_close(got, want, jnp.float32, kind="grad", what=f"{route} grad {i}")
+
+
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS)
 def test_deterministic(implementation):
     x, *weights = make_ffn_inputs(9, M, D, F, "heavy_tailed", jnp.bfloat16)
