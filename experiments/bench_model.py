@@ -409,9 +409,10 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
 def time_training(model, tokens, remat: bool, cfg: BenchConfig, sampler, record, emit,
                   base: dict) -> bool:
     """Times AdamW steps on ``tokens`` [B, T + 1] with remat on or off (the model keeps its
-    parameters; only the traced program changes). A step that does not fit in device memory
-    is reported as an ``oom`` row (False returned), not as a failed worker: the fastest
-    setting that fits is the honest baseline."""
+    parameters; only the traced program changes). A step that does not fit in the allocator's
+    limit (``bytes_limit``: by default 75% of the device, ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+    raises it) is reported as an ``oom`` row (False returned), not as a failed worker: the
+    fastest setting that fits is the honest baseline."""
     b, t = tokens.shape[0], tokens.shape[1] - 1
     model.cfg = dataclasses.replace(model.cfg, remat=remat)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
