@@ -54,54 +54,70 @@ def _load(ref, mask):
     return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
 
 
-def _gemv_kernel(*refs, m: int, d: int, f: int, m_pad: int, block_k: int, block_f: int,
-                      steps: int, has_bias: bool, fused: bool, mask_k: bool,
-                      mask_f: bool, precision):
-    """One program: columns [j * block_f, +block_f) for j = ``program_id(0)`` and D rows
-    [s * steps * block_k, +steps * block_k) for s = ``program_id(1)``.
+def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, steps: int,
+                 weights: tuple[tuple[int, int, int, int], ...], has_bias: bool, fused: bool,
+                 mask_k: bool, precision):
+    """One program: columns [b * block_f, +block_f) of one weight, where ``program_id(0)``
+    is that weight's first block plus b, and D rows [s * steps * block_k, +steps * block_k)
+    for s = ``program_id(1)``.
 
-    Refs (whole arrays): x [M, D], w [D, F], [bias [F]]; output: pre [M, F] in x.dtype
-    (``fused``: the only split, bias added) or partial sums [S, M, F] float32.
+    ``weights`` holds, per weight matrix, (its first block, its block count, its F, its first
+    output column): several products of one x share a launch, each program reading one
+    weight's tile (a branch per weight). Refs (whole arrays): x [M, D], the weights [D, F_i],
+    [bias [F_0], one weight only]; output: [M, sum F_i] in x.dtype (``fused``: the only split,
+    bias added) or partial sums [S, M, sum F_i] float32.
     """
-    if has_bias:
-        x_ref, w_ref, b_ref, o_ref = refs
-    else:
-        x_ref, w_ref, o_ref = refs
+    n_w = len(weights)
+    x_ref, w_refs = refs[0], refs[1:1 + n_w]
+    b_ref = refs[1 + n_w] if has_bias else None
+    o_ref = refs[-1]
     j = pl.program_id(0)
     s = pl.program_id(1)
-    col0 = j * block_f
-    cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (block_f,), 0)
-    col_ok = cols < f
     row_ok = jax.lax.broadcasted_iota(jnp.int32, (m_pad,), 0) < m
     k_lane = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     k_first = s * (steps * block_k)
 
-    def step(i, acc):
-        k0 = k_first + i * block_k
-        x_mask = row_ok[:, None]
-        w_mask = None
-        if mask_k:
-            k_ok = (k0 + k_lane) < d
-            x_mask = x_mask & k_ok[None, :]
-            w_mask = k_ok[:, None]
-        if mask_f:
-            w_mask = col_ok[None, :] if w_mask is None else w_mask & col_ok[None, :]
-        if m_pad == m and not mask_k:
-            x_mask = None
-        xk = _load(x_ref.at[pl.ds(0, m_pad), pl.ds(k0, block_k)], x_mask)
-        wk = _load(w_ref.at[pl.ds(k0, block_k), pl.ds(col0, block_f)], w_mask)
-        return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32, precision=precision)
+    def product(w_ref, first_block, f, out_col0):
+        col0 = (j - first_block) * block_f
+        cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (block_f,), 0)
+        mask_f = f % block_f != 0
+        col_ok = cols < f
 
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((m_pad, block_f), jnp.float32))
-    out_mask = row_ok[:, None] & col_ok[None, :] if (m_pad != m or mask_f) else None
-    if fused:
-        if has_bias:
-            bias = _load(b_ref.at[pl.ds(col0, block_f)], col_ok if mask_f else None)
-            acc = acc + bias.astype(jnp.float32)[None, :]
-        plgpu.store(o_ref.at[pl.ds(0, m_pad), pl.ds(col0, block_f)], acc.astype(o_ref.dtype),
-                    mask=out_mask)
-    else:
-        plgpu.store(o_ref.at[s, pl.ds(0, m_pad), pl.ds(col0, block_f)], acc, mask=out_mask)
+        def step(i, acc):
+            k0 = k_first + i * block_k
+            x_mask = row_ok[:, None]
+            w_mask = None
+            if mask_k:
+                k_ok = (k0 + k_lane) < d
+                x_mask = x_mask & k_ok[None, :]
+                w_mask = k_ok[:, None]
+            if mask_f:
+                w_mask = col_ok[None, :] if w_mask is None else w_mask & col_ok[None, :]
+            if m_pad == m and not mask_k:
+                x_mask = None
+            xk = _load(x_ref.at[pl.ds(0, m_pad), pl.ds(k0, block_k)], x_mask)
+            wk = _load(w_ref.at[pl.ds(k0, block_k), pl.ds(col0, block_f)], w_mask)
+            return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32,
+                                 precision=precision)
+
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((m_pad, block_f), jnp.float32))
+        out_mask = row_ok[:, None] & col_ok[None, :] if (m_pad != m or mask_f) else None
+        out_cols = pl.ds(out_col0 + col0, block_f)
+        if fused:
+            if has_bias:
+                bias = _load(b_ref.at[pl.ds(col0, block_f)], col_ok if mask_f else None)
+                acc = acc + bias.astype(jnp.float32)[None, :]
+            plgpu.store(o_ref.at[pl.ds(0, m_pad), out_cols], acc.astype(o_ref.dtype),
+                        mask=out_mask)
+        else:
+            plgpu.store(o_ref.at[s, pl.ds(0, m_pad), out_cols], acc, mask=out_mask)
+
+    if n_w == 1:
+        product(w_refs[0], *weights[0][:1], *weights[0][2:])
+        return
+    for w_ref, (first_block, n_blocks, f, out_col0) in zip(w_refs, weights):
+        pl.when((j >= first_block) & (j < first_block + n_blocks))(
+            functools.partial(product, w_ref, first_block, f, out_col0))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,6 +199,58 @@ def _check_args(x, w, bias) -> tuple[int, int, int]:
     return m, d, f
 
 
+def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
+               config: GemvConfig | None, interpret: bool | None, allow_fused: bool):
+    """The kernel on ``x`` [M, D] and weights ``ws`` ([D, F_i], one dtype): ``[M, sum F_i]``
+    in x.dtype (one D split and ``allow_fused``; bias added) or float32 partial sums
+    ``[S, M, sum F_i]`` (bias not added)."""
+    m, d, _ = _check_args(x, ws[0], bias)
+    for w in ws[1:]:
+        _check_args(x, w, None)
+    widths = [w.shape[1] for w in ws]
+    config = default_gemv_config(m, d, max(widths)) if config is None else config
+    m_pad = max(16, next_pow2(m))
+    total_steps = -(-d // config.block_k)
+    steps = -(-total_steps // min(config.k_splits, total_steps))
+    splits = -(-total_steps // steps)  # no empty split
+    fused = splits == 1 and allow_fused
+    weights, first_block, out_col0 = [], 0, 0
+    for f in widths:
+        n_blocks = -(-f // config.block_f)
+        weights.append((first_block, n_blocks, f, out_col0))
+        first_block += n_blocks
+        out_col0 += f
+    has_bias = bias is not None and fused
+    precision = (jax.lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None)
+    kernel = functools.partial(
+        _gemv_kernel, m=m, d=d, m_pad=m_pad, block_k=config.block_k, block_f=config.block_f,
+        steps=steps, weights=tuple(weights), has_bias=has_bias, fused=fused,
+        mask_k=splits * steps * config.block_k != d, precision=precision)
+    out_shape = (jax.ShapeDtypeStruct((m, out_col0), x.dtype) if fused
+                 else jax.ShapeDtypeStruct((splits, m, out_col0), jnp.float32))
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(first_block, splits),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=resolve_interpret(interpret),
+        name="twell_gemv",
+    )(x, *ws, *((bias,) if has_bias else ()))
+
+
+def finish_partial_sums(partial_sums: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
+    """[S, M, F] float32 partial sums -> ``(sum_s partial_sums[s] + bias).astype(dtype)``
+    [M, F], the splits added in order 0, 1, ..., S - 1 (as ``scan_up_down`` adds them when it
+    reads the partial sums itself), then the float32 bias, rounded once."""
+    pre = partial_sums[0]
+    for s in range(1, partial_sums.shape[0]):
+        pre = pre + partial_sums[s]
+    if bias is not None:
+        pre = pre + bias.astype(jnp.float32)
+    return pre.astype(dtype)
+
+
 def gemv(
     x: jax.Array,
     w: jax.Array,
@@ -204,39 +272,44 @@ def gemv(
       pre [M, F] in x.dtype: ``(x @ w (float32) + bias (float32)).astype(x.dtype)``, as
       ``twell_jax.dense.gate_pre_activation`` computes it for decode-sized M.
     """
-    m, d, f = _check_args(x, w, bias)
-    config = default_gemv_config(m, d, f) if config is None else config
-    m_pad = max(16, next_pow2(m))
-    total_steps = -(-d // config.block_k)
-    steps = -(-total_steps // min(config.k_splits, total_steps))
-    splits = -(-total_steps // steps)  # no empty split
-    blocks = -(-f // config.block_f)
-    fused = splits == 1
-    has_bias = bias is not None
-    precision = (jax.lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.float32 else None)
-    kernel = functools.partial(
-        _gemv_kernel, m=m, d=d, f=f, m_pad=m_pad, block_k=config.block_k,
-        block_f=config.block_f, steps=steps, has_bias=has_bias and fused,
-        fused=fused, mask_k=splits * steps * config.block_k != d,
-        mask_f=blocks * config.block_f != f, precision=precision)
-    out_shape = (jax.ShapeDtypeStruct((m, f), x.dtype) if fused
-                 else jax.ShapeDtypeStruct((splits, m, f), jnp.float32))
-    inputs = (x, w, bias) if has_bias and fused else (x, w)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(blocks, splits),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
-        interpret=resolve_interpret(interpret),
-        name="twell_gemv",
-    )(*inputs)
-    if fused:
-        return out
-    pre = jnp.sum(out, axis=0)
-    if has_bias:
-        pre = pre + bias.astype(jnp.float32)
-    return pre.astype(x.dtype)
+    out = _gemv_call(x, (w,), bias, config, interpret, allow_fused=True)
+    return out if out.ndim == 2 else finish_partial_sums(out, bias, x.dtype)
+
+
+def gemv_partial_sums(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    config: GemvConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``x @ w`` for few rows as float32 partial sums over the D splits, unsummed: [S, M, F]
+    (S = 1 when D is not split). For a consumer that adds them itself (``scan_up_down`` reads
+    the FFN gate so, saving the launch that would add them): ``finish_partial_sums(out, bias,
+    x.dtype)`` equals ``gemv(x, w, bias)`` up to the order of the float32 sum."""
+    return _gemv_call(x, (w,), None, config, interpret, allow_fused=False)
+
+
+def gemv_many(
+    x: jax.Array,
+    ws: tuple[jax.Array, ...],
+    *,
+    config: GemvConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, ...]:
+    """``x @ w`` for each w of ``ws`` (each [D, F_i], x's dtype) in one launch (and one pass
+    adding the D splits): a decode step's q, k and v projections. Each program reads a tile
+    of one weight, so no weight is copied or concatenated. Returns [M, F_i] in x.dtype each,
+    equal to ``gemv(x, w, None)`` up to the order of the float32 sum."""
+    if not isinstance(ws, tuple) or not ws:
+        raise ValueError("ws must be a non-empty tuple of [D, F] weights")
+    out = _gemv_call(x, ws, None, config, interpret, allow_fused=True)
+    if out.ndim == 3:
+        out = finish_partial_sums(out, None, x.dtype)
+    edges = [0]
+    for w in ws:
+        edges.append(edges[-1] + w.shape[1])
+    return tuple(out[:, a:b] for a, b in zip(edges[:-1], edges[1:]))
 
 
 def gemv_reference(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:

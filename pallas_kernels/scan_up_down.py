@@ -9,7 +9,9 @@ One program per (token row, slice of ``block_f`` columns of F): it scans its sli
 pre-activation ``scan_width`` columns at a time and, for each active unit, reads that unit's
 contiguous D-row of ``w_up_t`` and of ``w_down``. Nothing is packed or written in between,
 so a call is one launch after the gate GEMM, and every row is exact whatever its count (no
-capacity, no dense backup). Splitting F over programs is what makes it fast at decode sizes
+capacity, no dense backup). It can also read the gate straight from ``gemv_partial_sums``'
+unsummed float32 partial sums (``GatePartials``: added in order, plus the bias, rounded as
+``gemv`` rounds them), so nothing runs between the two kernels. Splitting F over programs is what makes it fast at decode sizes
 (M <= 64 rows): one program per row would leave most of the GPU idle and walk a row's ~28
 units one dependent weight read after another. With several slices, each program writes its
 partial sum and the wrapper adds the slices (a fixed order: the result is deterministic).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,20 +36,58 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (check_config, check_up_inputs, largest_pow2_divisor,
                                    resolve_interpret)
+from pallas_kernels.gemv import finish_partial_sums
+
+
+class GatePartials(NamedTuple):
+    """The gate pre-activation still as ``gemv_partial_sums``' float32 partial sums:
+    ``pre = finish_partial_sums(sums, bias, dtype)``. ``scan_up_down`` adds them itself, so
+    no launch sits between the gate product and the up/down at decode."""
+
+    sums: jax.Array  # [S, M, F] float32
+    bias: jax.Array | None  # [F]
+    dtype: jnp.dtype  # the dtype pre is rounded to (the compute dtype)
+
+    def pre(self) -> jax.Array:
+        """The pre-activation [M, F] in ``dtype``."""
+        return finish_partial_sums(self.sums, self.bias, self.dtype)
+
+
+def _gate_chunk(pre_ref, bias_ref, row, col0, ok, width: int, n_parts: int, pre_dtype):
+    """The gate pre-activation of ``row``, columns [col0, +width) (``ok``: inside F), as
+    float32 values of ``pre_dtype``: loaded, or (``n_parts`` > 0) the GEMV's partial sums
+    added in order, plus the bias, rounded once to ``pre_dtype`` as ``gemv`` rounds them."""
+    cols = pl.ds(col0, width)
+    if not n_parts:
+        return plgpu.load(pre_ref.at[row, cols], mask=ok, other=0.0).astype(jnp.float32)
+    # (A traced split index: the interpreter's masked load rejects a Python int there.)
+    part = lambda s: plgpu.load(pre_ref.at[jnp.int32(s), row, cols], mask=ok, other=0.0)
+    pre = part(0)
+    for s in range(1, n_parts):
+        pre = pre + part(s)
+    if bias_ref is not None:
+        pre = pre + plgpu.load(bias_ref.at[cols], mask=ok, other=0.0).astype(jnp.float32)
+    return pre.astype(pre_dtype).astype(jnp.float32)
 
 
 def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: int,
-                         num_d_chunks: int, dense_units: int, tile_d: int, gated: bool):
+                         num_d_chunks: int, dense_units: int, tile_d: int, gated: bool,
+                         n_parts: int, has_bias: bool, pre_dtype):
     """One program: row ``program_id(0)``, columns [s * block_f, +block_f) for s =
     ``program_id(1)``.
 
-    Refs (whole arrays): pre [M, F], [x [M, D], w_up_t [F, D]] (gated only), w_down [F, D];
-    outputs y [M, S, D] and l1 [M, S] float32 (this program's partial sums at [row, s]).
+    Refs (whole arrays): pre [M, F] (``n_parts`` 0) or the gate's float32 partial sums
+    [n_parts, M, F] and, with ``has_bias``, its bias [F]; [x [M, D], w_up_t [F, D]] (gated
+    only), w_down [F, D]; outputs y [M, S, D] and l1 [M, S] float32 (this program's partial
+    sums at [row, s]).
     """
+    refs = list(refs)
+    pre_ref = refs.pop(0)
+    bias_ref = refs.pop(0) if has_bias else None
     if gated:
-        pre_ref, x_ref, w_up_ref, w_down_ref, y_ref, l1_ref = refs
+        x_ref, w_up_ref, w_down_ref, y_ref, l1_ref = refs
     else:
-        pre_ref, w_down_ref, y_ref, l1_ref = refs
+        w_down_ref, y_ref, l1_ref = refs
     row = pl.program_id(0)
     part = pl.program_id(1)
     d_chunks = [pl.ds(c * block_d, block_d) for c in range(num_d_chunks)]
@@ -76,8 +117,8 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     def chunk_step(c, carry):
         col0 = part * block_f + c * scan_width
         cols = col0 + lane
-        gate = plgpu.load(pre_ref.at[row, pl.ds(col0, scan_width)], mask=cols < f,
-                          other=0.0).astype(jnp.float32)
+        gate = _gate_chunk(pre_ref, bias_ref, row, col0, cols < f, scan_width, n_parts,
+                           pre_dtype)
         active = jnp.logical_not(gate <= 0.0) & (cols < f)  # > 0 or NaN
         count = jnp.sum(active.astype(jnp.int32))
 
@@ -176,15 +217,25 @@ def _check_args(pre, x, w_up_t, w_down, gated: bool) -> tuple[int, int, int]:
     if w_down.ndim != 2:
         raise ValueError(f"w_down must be 2-D [F, D], got shape {w_down.shape}")
     f, d = w_down.shape
-    if pre.ndim != 2 or pre.shape[1] != f:
-        raise ValueError(f"pre has shape {pre.shape}, expected (M, {f})")
-    m = pre.shape[0]
+    if isinstance(pre, GatePartials):
+        sums, bias = pre.sums, pre.bias
+        if sums.ndim != 3 or sums.shape[2] != f or sums.shape[0] < 1:
+            raise ValueError(f"GatePartials.sums has shape {sums.shape}, expected (S, M, {f})")
+        if sums.dtype != jnp.float32:
+            raise ValueError(f"GatePartials.sums must be float32, got {sums.dtype}")
+        if bias is not None and bias.shape != (f,):
+            raise ValueError(f"GatePartials.bias has shape {bias.shape}, expected ({f},)")
+        m = sums.shape[1]
+    else:
+        if pre.ndim != 2 or pre.shape[1] != f:
+            raise ValueError(f"pre has shape {pre.shape}, expected (M, {f})")
+        m = pre.shape[0]
     check_up_inputs(x, w_up_t, m, f, d, gated)
     return m, d, f
 
 
 def scan_up_down(
-    pre: jax.Array,
+    pre: jax.Array | GatePartials,
     x: jax.Array | None,
     w_up_t: jax.Array | None,
     w_down: jax.Array,
@@ -196,7 +247,9 @@ def scan_up_down(
     """Gated (x and w_up_t given) or non-gated (both None) sparse up/down from the gate.
 
     Args:
-      pre: [M, F] gate pre-activation (any float dtype); units with pre > 0 (or NaN) are active.
+      pre: [M, F] gate pre-activation (any float dtype); units with pre > 0 (or NaN) are
+        active. Or ``GatePartials``: the GEMV's partial sums, added here (``GatePartials.pre``
+        gives the same pre-activation).
       x: [M, D] or None. w_up_t: [F, D] (unit j's up weights in row j) or None. w_down: [F, D].
       out_dtype: dtype of y (default: x's, or w_down's when non-gated).
       config: ``default_scan_up_down_config(M, D, F)`` when None; D % block_d == 0.
@@ -213,12 +266,16 @@ def scan_up_down(
         raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
     out_dtype = jnp.dtype(out_dtype or (x.dtype if gated else w_down.dtype))
     slices = -(-f // config.block_f)
+    parts = isinstance(pre, GatePartials)
+    has_bias = parts and pre.bias is not None
     kernel = functools.partial(_scan_up_down_kernel, f=f, block_f=config.block_f,
                                scan_width=config.scan_width, block_d=config.block_d,
                                num_d_chunks=d // config.block_d,
                                dense_units=config.dense_threshold(), tile_d=config.tile_d(),
-                               gated=gated)
-    inputs = (pre, x, w_up_t, w_down) if gated else (pre, w_down)
+                               gated=gated, n_parts=pre.sums.shape[0] if parts else 0,
+                               has_bias=has_bias, pre_dtype=jnp.dtype(pre.dtype))
+    gate = (pre.sums, *((pre.bias,) if has_bias else ())) if parts else (pre,)
+    inputs = (*gate, x, w_up_t, w_down) if gated else (*gate, w_down)
     y_parts, l1_parts = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m, slices, d), jnp.float32),
@@ -232,7 +289,7 @@ def scan_up_down(
 
 
 def scan_up_down_reference(
-    pre: jax.Array,
+    pre: jax.Array | GatePartials,
     x: jax.Array | None,
     w_up_t: jax.Array | None,
     w_down: jax.Array,
@@ -244,6 +301,8 @@ def scan_up_down_reference(
     gated = x is not None
     _check_args(pre, x, w_up_t, w_down, gated)
     out_dtype = jnp.dtype(out_dtype or (x.dtype if gated else w_down.dtype))
+    if isinstance(pre, GatePartials):
+        pre = pre.pre()
     gate = pre.astype(jnp.float32)
     h = jnp.where(gate <= 0.0, 0.0, gate)  # NaN stays NaN
     if gated:

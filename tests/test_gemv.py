@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gemv import GemvConfig, default_gemv_config, gemv, gemv_reference
+from pallas_kernels.gemv import (GemvConfig, default_gemv_config, finish_partial_sums, gemv,
+                                 gemv_many, gemv_partial_sums, gemv_reference)
 from tests.utils import assert_close, seed_of
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
@@ -96,6 +97,47 @@ def test_gemv_nan_propagates(config):
     assert np.all(np.isnan(pre[2]))
     keep = np.array([0, 1, 3])
     assert_close(pre[keep], numpy_gate(x[keep], w, b), jnp.bfloat16, what="rows without NaN")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [
+    None,
+    GemvConfig(block_f=64, block_k=32, k_splits=3),
+    GemvConfig(block_f=32, block_k=32, k_splits=1),
+], ids=["default", "split_sum", "dot_fused"])
+def test_gemv_many_matches_numpy_and_one_at_a_time(config, dtype):
+    """Three weights of two widths (q, and grouped k and v), none a multiple of the block,
+    in one launch: each output against float64 and the one-weight kernel."""
+    m, d = 3, 200
+    rng = np.random.default_rng(seed_of("gemv_many", str(config), str(dtype)))
+    x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    ws = tuple(jnp.asarray(rng.standard_normal((d, f)) / np.sqrt(d), dtype)
+               for f in (300, 72, 72))
+    outs = gemv_many(x, ws, config=config)
+    assert len(outs) == 3
+    for out, w in zip(outs, ws):
+        assert out.shape == (m, w.shape[1]) and out.dtype == dtype
+        assert_close(out, numpy_gate(x, w, None), dtype, kind="ffn", what="gemv_many vs numpy")
+        assert_close(out, gemv(x, w, None, config=config), dtype, kind="kernel",
+                     what="gemv_many vs gemv")
+    with pytest.raises(ValueError, match="non-empty tuple"):
+        gemv_many(x, ())
+    with pytest.raises(ValueError, match="expected"):
+        gemv_many(x, (ws[0], ws[1][:50]))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gemv_partial_sums_finish_to_gemv(splits):
+    m, d, f = 2, 130, 260
+    rng = np.random.default_rng(seed_of("gemv_partial_sums", splits))
+    x, w, b = make_inputs(m, d, f, jnp.bfloat16, "threshold", rng)
+    config = GemvConfig(block_f=64, block_k=32, k_splits=splits)
+    sums = gemv_partial_sums(x, w, config=config)
+    assert sums.shape == (splits, m, f) and sums.dtype == jnp.float32
+    assert_close(np.asarray(sums).sum(0), numpy_gate(x, w, None), jnp.float32, kind="ffn",
+                 what="partial sums vs numpy")
+    pre = finish_partial_sums(sums, b, jnp.bfloat16)
+    assert_close(pre, gemv(x, w, b, config=config), jnp.bfloat16, kind="kernel")
 
 
 def test_default_config():

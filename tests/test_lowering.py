@@ -22,11 +22,11 @@ import pytest
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention
-from pallas_kernels.gemv import GemvConfig, gemv
+from pallas_kernels.gemv import GemvConfig, gemv, gemv_many, gemv_partial_sums
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import RowUpDownConfig, row_up_down
 from pallas_kernels.row_backward import row_backward
-from pallas_kernels.scan_up_down import ScanUpDownConfig, scan_up_down
+from pallas_kernels.scan_up_down import GatePartials, ScanUpDownConfig, scan_up_down
 from pallas_kernels.sparse_outer import sparse_outer
 
 M, D, F, K = 256, 256, 512, 32
@@ -144,3 +144,21 @@ def test_gemv_lowers(ragged, m, config):
         args = S((m, D), BF16), S((D, F), BF16)
     module = export_for_cuda(fn, *args)
     assert "twell_gemv" in module
+
+
+def test_gemv_many_lowers():
+    fn = lambda x, *ws: gemv_many(x, ws, interpret=False)
+    module = export_for_cuda(fn, S((1, D), BF16), S((D, F), BF16), S((D, F // 4), BF16),
+                             S((D, F // 4), BF16))
+    assert "twell_gemv" in module
+
+
+def test_scan_up_down_on_partial_sums_lowers():
+    """The decode FFN: the gate's GEMV partial sums read by the scan (bias added there)."""
+    def fn(x, w_in, bias, w_up_t, w_down):
+        gate = GatePartials(gemv_partial_sums(x, w_in, interpret=False), bias, x.dtype)
+        return scan_up_down(gate, x, w_up_t, w_down, interpret=False)
+
+    w = S((F, D), BF16)
+    module = export_for_cuda(fn, S((1, D), BF16), S((D, F), BF16), S((F,), jnp.float32), w, w)
+    assert "twell_scan_up_down" in module and "twell_gemv" in module

@@ -219,6 +219,34 @@ def test_mixed_precision_matmul(dtype, out_dtype, gemv_kernel):
     assert all(e.outvars[0].aval.dtype == jnp.float32 for e in backward)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_few_row_matmuls(dtype):
+    """``dense.few_row_matmuls`` (q, k and v in one GEMV launch): each output and every
+    gradient as ``mixed_precision_matmul`` computes them one weight at a time."""
+    from twell_jax.dense import few_row_matmuls, mixed_precision_matmul
+
+    keys = jax.random.split(jax.random.key(4), 5)
+    x = jax.random.normal(keys[0], (1, 3, 40), jnp.float32).astype(dtype)
+    ws = tuple((jax.random.normal(k, (40, n), jnp.float32) / 6).astype(dtype)
+               for k, n in zip(keys[1:4], (48, 16, 16)))
+    cts = [jax.random.normal(jax.random.fold_in(keys[4], i), (1, 3, w.shape[1]))
+           for i, w in enumerate(ws)]
+    together = lambda x, ws: few_row_matmuls(x, ws, dtype)
+    apart = lambda x, ws: tuple(mixed_precision_matmul(x, w, dtype, True) for w in ws)
+    assert str(jax.make_jaxpr(together)(x, ws)).count("name=twell_gemv") == 1
+    loss = lambda f: (lambda x, ws: sum(jnp.sum(y.astype(jnp.float32) * c)
+                                        for y, c in zip(f(x, ws), cts)))
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for got, want in zip(together(x, ws), apart(x, ws)):
+        assert got.dtype == jnp.dtype(dtype) and got.shape == want.shape
+        assert rel_err(got, want) < tol
+    got = jax.grad(loss(together), argnums=(0, 1))(x, ws)
+    want = jax.grad(loss(apart), argnums=(0, 1))(x, ws)
+    for g, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == jnp.dtype(dtype) and np.isfinite(np.asarray(g, np.float32)).all()
+        assert rel_err(g, ref) < tol
+
+
 def test_decode_kernels_differentiable():
     """A training batch of fewer than 8 token rows with ``decode_kernels`` takes the GEMV
     kernel in the attention projections (interpret mode here); its loss and gradients are the

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from pallas_kernels.scan_up_down import (ScanUpDownConfig, default_scan_up_down_config,
-                                         scan_up_down, scan_up_down_reference)
+from pallas_kernels.gemv import GemvConfig, gemv, gemv_partial_sums
+from pallas_kernels.scan_up_down import (GatePartials, ScanUpDownConfig,
+                                         default_scan_up_down_config, scan_up_down,
+                                         scan_up_down_reference)
 from tests.test_row_kernels import make_pre
 from tests.utils import assert_close, seed_of
 
@@ -87,6 +89,48 @@ def test_dense_chunks_equal_unit_walks(gated):
         assert_close(l1, want_l1, jnp.float32, what=f"l1, dense_units={units}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("splits,bias", [(3, True), (1, True), (2, False)])
+def test_scan_reads_the_gemv_partial_sums(splits, bias, gated, dtype):
+    """The gate as the GEMV's unsummed partial sums (the decode path): the same y and l1 as
+    the kernel on the finished pre-activation, and against numpy on that pre-activation; the
+    gate threshold bias makes ~5-15% of the units active, a few rows dense."""
+    m, d, f = 5, 96, 300
+    rng = np.random.default_rng(seed_of("scan_partials", splits, bias, gated, str(dtype)))
+    x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    w_in = jnp.asarray(rng.standard_normal((d, f)) / np.sqrt(d), dtype)
+    b = jnp.asarray(-1.3 + 0.2 * rng.standard_normal(f), jnp.float32) if bias else None
+    w_in = w_in.at[:, :40].multiply(-1.0) if not bias else w_in
+    x = x.at[2].set(jnp.abs(x[2]))  # with w_in >= 0 below: row 2 active almost everywhere
+    w_in = w_in.at[:, 100:].set(jnp.abs(w_in[:, 100:]))
+    w_up_t = jnp.asarray(rng.standard_normal((f, d)) / np.sqrt(d), dtype)
+    w_down = jnp.asarray(rng.standard_normal((f, d)) / np.sqrt(f), dtype)
+    gemv_config = GemvConfig(block_f=64, block_k=32, k_splits=splits)
+    sums = gemv_partial_sums(x, w_in, config=gemv_config)
+    assert sums.shape == (splits, m, f) and sums.dtype == jnp.float32
+    gate = GatePartials(sums, b, dtype)
+    pre = gate.pre()
+    assert pre.dtype == dtype
+    assert_close(pre, gemv(x, w_in, b, config=gemv_config), dtype, kind="kernel",
+                 what="finished partial sums vs gemv")
+    active = np.mean(np.asarray(pre, np.float32) > 0)
+    assert 0.03 < active < 0.9, active
+    xs, w_up_ts = (x, w_up_t) if gated else (None, None)
+    config = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1)
+    y, l1 = scan_up_down(gate, xs, w_up_ts, w_down, out_dtype=jnp.float32, config=config)
+    y_pre, l1_pre = scan_up_down(pre, xs, w_up_ts, w_down, out_dtype=jnp.float32,
+                                 config=config)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_pre), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l1_pre), rtol=1e-6, atol=1e-6)
+    cast = lambda a: None if a is None else np.asarray(jnp.asarray(a, jnp.float32))
+    want, want_l1 = numpy_scan_up_down(cast(pre), cast(x), cast(w_up_t), cast(w_down), gated)
+    assert_close(y, want, jnp.float32, what="scan on partial sums vs numpy")
+    assert_close(l1, want_l1, jnp.float32, what="l1 on partial sums vs numpy")
+    ref, ref_l1 = scan_up_down_reference(gate, xs, w_up_ts, w_down, out_dtype=jnp.float32)
+    assert_close(ref, want, jnp.float32, what="reference on partial sums vs numpy")
+
+
 def test_scan_up_down_propagates_nan():
     rng = np.random.default_rng(seed_of("scan_up_down_nan"))
     pre, x, w_up_t, w_down = make_inputs(6, 64, 256, "uniform", jnp.float32, rng)
@@ -124,3 +168,10 @@ def test_scan_up_down_rejects_bad_input():
         ScanUpDownConfig(block_f=96)
     with pytest.raises(ValueError, match="dense_units"):
         ScanUpDownConfig(dense_units=-1)
+    with pytest.raises(ValueError, match="GatePartials.sums has shape"):
+        scan_up_down(GatePartials(jnp.zeros((2, 4, 128)), None, jnp.float32), x, w, w)
+    with pytest.raises(ValueError, match="must be float32"):
+        scan_up_down(GatePartials(jnp.zeros((2, 4, 256), jnp.bfloat16), None, jnp.bfloat16),
+                     x, w, w)
+    with pytest.raises(ValueError, match="GatePartials.bias"):
+        scan_up_down(GatePartials(jnp.zeros((2, 4, 256)), jnp.zeros(128), jnp.float32), x, w, w)

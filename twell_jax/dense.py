@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gemv import gemv
+from pallas_kernels.gemv import gemv, gemv_many
 
 _K_MULTIPLE = 64  # the GEMM's contraction length is padded to this (tensor-core friendly)
 
@@ -74,3 +74,29 @@ def _mixed_bwd(out_dtype, gemv_kernel, residuals, dy):
 
 
 mixed_precision_matmul.defvjp(_mixed_fwd, _mixed_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def few_row_matmuls(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype) -> tuple[jax.Array, ...]:
+    """``x @ w`` for each w of ``ws`` (x [..., K] with at most 64 rows, each w [K, N_i], all in
+    the compute dtype) on one ``gemv_many`` launch: a decode step's q, k and v projections.
+    Returns [..., N_i] in ``out_dtype`` each, as ``mixed_precision_matmul(x, w, out_dtype,
+    gemv_kernel=True)`` computes them one at a time (the backward is its, per weight)."""
+    k = x.shape[-1]
+    outs = gemv_many(x.reshape(-1, k), tuple(ws))
+    return tuple(y.reshape(*x.shape[:-1], w.shape[1]).astype(out_dtype)
+                 for y, w in zip(outs, ws))
+
+
+def _few_rows_fwd(x, ws, out_dtype):
+    return few_row_matmuls(x, ws, out_dtype), (x, ws)
+
+
+def _few_rows_bwd(out_dtype, residuals, dys):
+    x, ws = residuals
+    grads = [_mixed_bwd(out_dtype, True, (x, w), dy) for w, dy in zip(ws, dys)]
+    dx = functools.reduce(lambda a, b: a + b, (g[0].astype(jnp.float32) for g in grads))
+    return dx.astype(x.dtype), tuple(g[1] for g in grads)
+
+
+few_row_matmuls.defvjp(_few_rows_fwd, _few_rows_bwd)

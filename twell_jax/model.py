@@ -53,7 +53,7 @@ from pallas_kernels.decode_attention import decode_attention_reference
 from pallas_kernels.gemv import FEW_ROWS as GEMV_FEW_ROWS
 from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
-from twell_jax.dense import mixed_precision_matmul
+from twell_jax.dense import few_row_matmuls, mixed_precision_matmul
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Implementation
 from twell_jax.ffn import RESIDUALS_NAME, FFNStats
 
@@ -329,12 +329,18 @@ class Attention(nnx.Module):
     def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> q [B, T, N, H], k, v [B, T, Nkv, H], not rotated.
 
-        Three products: one GEMV call over the concatenated weights measured slower at decode
-        (the concatenation was not hoisted out of the decode loop: BENCHMARKS.md, run 23)."""
+        On the GEMV kernel (decode) the three products share one launch that reads each
+        weight where it lies (``few_row_matmuls``); one call over concatenated weights was
+        slower: the concatenation was not hoisted out of the decode loop (BENCHMARKS.md,
+        run 23)."""
         b, t, _ = x.shape
         heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
-        return tuple(self._matmul(x, w[...]).reshape(b, t, n, self.head_dim)
-                     for w, n in zip((self.w_q, self.w_k, self.w_v), heads))
+        weights = tuple(w[...].astype(self.dtype) for w in (self.w_q, self.w_k, self.w_v))
+        if self._gemv(x):
+            outs = few_row_matmuls(x.astype(self.dtype), weights, self.dtype)
+        else:
+            outs = tuple(self._matmul(x, w) for w in weights)
+        return tuple(o.reshape(b, t, n, self.head_dim) for o, n in zip(outs, heads))
 
     def _output(self, out: jax.Array) -> jax.Array:
         b, t = out.shape[:2]

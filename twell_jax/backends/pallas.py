@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gemv import FEW_ROWS as GEMV_FEW_ROWS
-from pallas_kernels.gemv import gemv
+from pallas_kernels.gemv import gemv_partial_sums
 from pallas_kernels.row_backward import row_backward
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
-from pallas_kernels.scan_up_down import scan_up_down
+from pallas_kernels.scan_up_down import GatePartials, scan_up_down
 from pallas_kernels.sparse_outer import sparse_outer
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
@@ -97,12 +97,16 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff, transposed=False):
 
 
 def _decode(x, w_in, bias, w_up_t, w_down):
-    # Below 8 rows XLA's dot is ~2x slower than reading w_in at memory speed: the GEMV kernel.
-    pre = (gemv(x, w_in, bias) if x.shape[0] < GEMV_FEW_ROWS
-           else gate_pre_activation(x, w_in, bias))
+    # Below 8 rows XLA's dot is ~2x slower than reading w_in at memory speed: the GEMV kernel,
+    # whose partial sums scan_up_down adds itself (no launch in between).
+    if x.shape[0] < GEMV_FEW_ROWS:
+        gate = GatePartials(gemv_partial_sums(x, w_in), bias, x.dtype)
+        pre = gate.pre()  # only for the statistics: dead code unless they are used
+    else:
+        gate = pre = gate_pre_activation(x, w_in, bias)
     gated = w_up_t is not None
     x_pad, w_up_t, w_down_pad = _pad_up_down(x if gated else None, w_up_t, w_down)
-    y, l1 = scan_up_down(pre, x_pad, w_up_t, w_down_pad, out_dtype=x.dtype)
+    y, l1 = scan_up_down(gate, x_pad, w_up_t, w_down_pad, out_dtype=x.dtype)
     return y[:, :w_down.shape[1]], l1, jnp.logical_not(pre <= 0)  # active: > 0 or NaN
 
 
