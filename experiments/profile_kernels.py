@@ -36,13 +36,13 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import flag  # noqa: E402
-from bench_model import adamw_step, calibrate, jit_over_state, last_logits  # noqa: E402
+from bench_model import (adamw_step, calibrate, jit_over_state, last_logits,  # noqa: E402
+                         timing_optimizer)
 
 from twell_jax import model as model_lib  # noqa: E402
 
@@ -181,7 +181,7 @@ def prefill_program(model, tokens):
 def train_program(model, tokens, l1_coeff: float):
     """(call, hlo): one AdamW training step on ``tokens`` [B, T + 1], as bench_model times it
     (one jit over the split, donated model + optimizer state)."""
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, timing_optimizer(), wrt=nnx.Param)
     step, lowered, _ = adamw_step(model, optimizer, tokens, l1_coeff)
     return step, lambda: lowered.compile().as_text()
 
