@@ -18,7 +18,10 @@ at decode. This kernel is built around the weight read:
   partials cost 2 * splits * M * F * 4 bytes of traffic, small next to the weights when
   splits * M is small; the default keeps them under ~1/8 of the weight bytes.
 * With one split the kernel adds the bias in float32 and rounds once to x.dtype itself: one
-  launch, no epilogue pass (at ~7 us a second launch is not free).
+  launch, no epilogue pass (at ~7 us a second launch is not free). For the same reason a
+  consumer can take the partial sums unsummed (``gemv_partial_sums``: the decode FFN's
+  ``scan_up_down`` adds them), and several weights that multiply one x share a launch
+  (``gemv_many``: a decode step's q, k and v, each program reading a tile of one weight).
 * The x rows are loaded per step as one [M_pad, block_k] tile (tiny, stays in L1/L2), padded
   to at least 16 rows for a tensor-core dot: the padding's flops are free in a memory-bound
   kernel. (A broadcast multiply-and-sum on the CUDA cores was slower at every measured size,

@@ -6,7 +6,8 @@ projections one program per token row. The backward's per-row products (dh, du, 
 on ``row_backward``, one program per token row too, and the transposed products (dW = h^T @ dy,
 (dg, du)^T @ x) on ``sparse_outer`` over a column-sorted view of the pattern. Nothing dense is
 saved for the backward. A decode step (few rows, not differentiated) runs the gate product on
-``gemv`` and the up/down on ``scan_up_down``, with no lists.
+``gemv`` (its partial sums read by the next kernel) and the up/down on ``scan_up_down``, with
+no lists.
 
 The kernels want block-divisible shapes; this module pads (D with zero features, which change
 no dot product; F with zero gate columns, which are never active) and slices the results back,
