@@ -13,8 +13,9 @@ capacity, no dense backup). It can also read the gate straight from ``gemv_parti
 unsummed float32 partial sums (``GatePartials``: added in order, plus the bias, rounded as
 ``gemv`` rounds them), so nothing runs between the two kernels. Splitting F over programs is
 what makes it fast at decode sizes (M <= 64 rows): one program per row would leave most of
-the GPU idle and walk a row's ~28 units one dependent weight read after another. With several slices, each program writes its
-partial sum and the wrapper adds the slices (a fixed order: the result is deterministic).
+the GPU idle and walk a row's ~28 units one dependent weight read after another. With
+several slices, each program writes its partial sum and the wrapper adds the slices (a fixed
+order: the result is deterministic).
 
 Within a chunk the next active unit is found by a min-reduction over the lanes not yet
 visited, so a chunk costs one load plus one reduction per active unit. A chunk with more than
