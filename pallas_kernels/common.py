@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 # Importing the fuser registers the jit-cache config "pallas_fuser_disable_nested_fuse". JAX
 # imports it lazily at the first Pallas call, which changes the cache key and silently
@@ -77,3 +78,15 @@ def check_up_inputs(x, w_up_t, m: int, f: int, d: int, gated: bool) -> None:
             raise ValueError(f"w_up_t has shape {w_up_t.shape}, expected ({f}, {d})")
     elif x is not None or w_up_t is not None:
         raise ValueError("the non-gated form takes no x or w_up_t")
+
+
+def finish_partial_sums(partial_sums: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
+    """[S, M, F] float32 partial sums -> ``(sum_s partial_sums[s] + bias).astype(dtype)``
+    [M, F], the splits added in order 0, 1, ..., S - 1 (``gemv`` and ``scan_up_down``, which
+    reads a GEMV's partial sums itself, add them so), then the float32 bias, rounded once."""
+    pre = partial_sums[0]
+    for s in range(1, partial_sums.shape[0]):
+        pre = pre + partial_sums[s]
+    if bias is not None:
+        pre = pre + bias.astype(jnp.float32)
+    return pre.astype(dtype)

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_config, next_pow2, resolve_interpret
+from pallas_kernels.common import (check_config, finish_partial_sums, next_pow2,
+                                   resolve_interpret)
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_ROWS = 64  # the x rows are one tile; more rows want a GEMM, not this kernel
@@ -240,18 +241,6 @@ def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
         interpret=resolve_interpret(interpret),
         name="twell_gemv",
     )(x, *ws, *((bias,) if has_bias else ()))
-
-
-def finish_partial_sums(partial_sums: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
-    """[S, M, F] float32 partial sums -> ``(sum_s partial_sums[s] + bias).astype(dtype)``
-    [M, F], the splits added in order 0, 1, ..., S - 1 (as ``scan_up_down`` adds them when it
-    reads the partial sums itself), then the float32 bias, rounded once."""
-    pre = partial_sums[0]
-    for s in range(1, partial_sums.shape[0]):
-        pre = pre + partial_sums[s]
-    if bias is not None:
-        pre = pre + bias.astype(jnp.float32)
-    return pre.astype(dtype)
 
 
 def gemv(

@@ -35,9 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (check_config, check_up_inputs, largest_pow2_divisor,
-                                   resolve_interpret)
-from pallas_kernels.gemv import finish_partial_sums
+from pallas_kernels.common import (check_config, check_up_inputs, finish_partial_sums,
+                                   largest_pow2_divisor, resolve_interpret)
 
 
 class GatePartials(NamedTuple):
