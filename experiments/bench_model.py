@@ -409,9 +409,9 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
     for b, t in parse_shapes(cfg.train_batch, ""):
         tokens = token_batch(mcfg, cfg, b, t + 1)
         breakdown(model, tokens[:, :-1], cfg, emit, base)
-        # Every setting starts from the same weights: the timed steps train the model, which
-        # moves its sparsity (and so the sparse model's speed) away from the calibration. The
-        # copy waits in host memory, out of the device's peak.
+        # Every setting starts from the calibrated weights, kept in host memory (out of the
+        # device's peak): the timed steps leave them as they are (``timing_optimizer``), but
+        # each setting's optimizer owns and donates the model's arrays.
         initial = jax.device_get(nnx.state(model))
         for remat in remat_settings(cfg.remat):
             nnx.update(model, jax.device_put(initial))
