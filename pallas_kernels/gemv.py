@@ -117,7 +117,8 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
             plgpu.store(o_ref.at[s, pl.ds(0, m_pad), out_cols], acc, mask=out_mask)
 
     if n_w == 1:
-        product(w_refs[0], *weights[0][:1], *weights[0][2:])
+        first_block, _, f, out_col0 = weights[0]
+        product(w_refs[0], first_block, f, out_col0)
         return
     for w_ref, (first_block, n_blocks, f, out_col0) in zip(w_refs, weights):
         pl.when((j >= first_block) & (j < first_block + n_blocks))(

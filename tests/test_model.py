@@ -188,16 +188,17 @@ def test_gate_bias_params_features_and_activity():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_mixed_precision_matmul(dtype, out_dtype, gemv_kernel):
     """``dense.mixed_precision_matmul`` (the projections and the logits; with ``gemv_kernel``
-    on the GEMV kernel, interpret mode here): the output dtype asked for, gradients as
-    autodiff's of the float32 product (exactly in float32), and every backward GEMM reads the
-    compute dtype and accumulates in float32."""
-    from twell_jax.dense import mixed_precision_matmul
+    ``dense.few_row_matmuls`` of one weight: the GEMV kernel, interpret mode here): the output
+    dtype asked for, gradients as autodiff's of the float32 product (exactly in float32), and
+    every backward GEMM reads the compute dtype and accumulates in float32."""
+    from twell_jax.dense import few_row_matmuls, mixed_precision_matmul
 
     kx, kw, kc = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(kx, (2, 5, 32), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (32, 48), jnp.float32) / 6).astype(dtype)
     ct = jax.random.normal(kc, (2, 5, 48), jnp.float32)
-    fn = lambda x, w: mixed_precision_matmul(x, w, out_dtype, gemv_kernel)
+    fn = ((lambda x, w: few_row_matmuls(x, (w,), out_dtype)[0]) if gemv_kernel
+          else (lambda x, w: mixed_precision_matmul(x, w, out_dtype)))
     forward = str(jax.make_jaxpr(fn)(x, w))
     assert ("twell_gemv" in forward) == gemv_kernel
     plain = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
@@ -222,7 +223,7 @@ def test_mixed_precision_matmul(dtype, out_dtype, gemv_kernel):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_few_row_matmuls(dtype):
     """``dense.few_row_matmuls`` (q, k and v in one GEMV launch): each output and every
-    gradient as ``mixed_precision_matmul`` computes them one weight at a time."""
+    gradient as ``mixed_precision_matmul`` (XLA's GEMM) computes them one weight at a time."""
     from twell_jax.dense import few_row_matmuls, mixed_precision_matmul
 
     keys = jax.random.split(jax.random.key(4), 5)
@@ -232,7 +233,7 @@ def test_few_row_matmuls(dtype):
     cts = [jax.random.normal(jax.random.fold_in(keys[4], i), (1, 3, w.shape[1]))
            for i, w in enumerate(ws)]
     together = lambda x, ws: few_row_matmuls(x, ws, dtype)
-    apart = lambda x, ws: tuple(mixed_precision_matmul(x, w, dtype, True) for w in ws)
+    apart = lambda x, ws: tuple(mixed_precision_matmul(x, w, dtype) for w in ws)
     assert str(jax.make_jaxpr(together)(x, ws)).count("name=twell_gemv") == 1
     loss = lambda f: (lambda x, ws: sum(jnp.sum(y.astype(jnp.float32) * c)
                                         for y, c in zip(f(x, ws), cts)))

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gemv import gemv, gemv_many
+from pallas_kernels.gemv import gemv_many
 
 _K_MULTIPLE = 64  # the GEMM's contraction length is padded to this (tensor-core friendly)
 
@@ -37,13 +37,11 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> j
     return jnp.dot(jnp.concatenate([x, ones], axis=1), jnp.concatenate([w, rows], axis=0))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def mixed_precision_matmul(x: jax.Array, w: jax.Array, out_dtype, gemv_kernel: bool = False
-                           ) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def mixed_precision_matmul(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     """``x @ w`` (x [..., K], w [K, N], both in the compute dtype) -> [..., N] in
-    ``out_dtype``, float32 accumulation, rounded once. ``gemv_kernel``: the product runs on
-    ``pallas_kernels.gemv`` (at most 64 rows of x; XLA turns a one-row product into a slow
-    column reduction).
+    ``out_dtype``, float32 accumulation, rounded once (XLA's GEMM; ``few_row_matmuls`` runs
+    the same products on the GEMV kernel).
 
     The backward GEMMs (XLA's) read the compute dtype too (the cotangent is rounded to
     x.dtype, as mixed-precision training does) and accumulate in float32, rounded after: so
@@ -52,18 +50,14 @@ def mixed_precision_matmul(x: jax.Array, w: jax.Array, out_dtype, gemv_kernel: b
     GEMMs: on the H100 the 0.5b model's attention projections and output layer spent ~50 ms
     of a 164 ms training step that way (BENCHMARKS.md, run 20). With float32 operands nothing
     is rounded."""
-    if gemv_kernel:
-        k = x.shape[-1]
-        y = gemv(x.reshape(-1, k), w, None).reshape(*x.shape[:-1], w.shape[1])
-        return y.astype(out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _mixed_fwd(x, w, out_dtype, gemv_kernel):
-    return mixed_precision_matmul(x, w, out_dtype, gemv_kernel), (x, w)
+def _mixed_fwd(x, w, out_dtype):
+    return mixed_precision_matmul(x, w, out_dtype), (x, w)
 
 
-def _mixed_bwd(out_dtype, gemv_kernel, residuals, dy):
+def _mixed_bwd(out_dtype, residuals, dy):
     x, w = residuals
     dy = dy.astype(x.dtype)
     dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -78,10 +72,10 @@ mixed_precision_matmul.defvjp(_mixed_fwd, _mixed_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def few_row_matmuls(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype) -> tuple[jax.Array, ...]:
-    """``x @ w`` for each w of ``ws`` (x [..., K] with at most 64 rows, each w [K, N_i], all in
-    the compute dtype) on one ``gemv_many`` launch: a decode step's q, k and v projections.
-    Returns [..., N_i] in ``out_dtype`` each, as ``mixed_precision_matmul(x, w, out_dtype,
-    gemv_kernel=True)`` computes them one at a time (the backward is its, per weight)."""
+    """``mixed_precision_matmul(x, w, out_dtype)`` for each w of ``ws`` (x [..., K] with at
+    most 64 rows, each w [K, N_i], all in the compute dtype) on one ``gemv_many`` launch: a
+    decode step's products (XLA turns a one-row product into a slow column reduction), q, k
+    and v in one call. The backward is ``mixed_precision_matmul``'s, per weight."""
     k = x.shape[-1]
     outs = gemv_many(x.reshape(-1, k), tuple(ws))
     return tuple(y.reshape(*x.shape[:-1], w.shape[1]).astype(out_dtype)
@@ -94,7 +88,7 @@ def _few_rows_fwd(x, ws, out_dtype):
 
 def _few_rows_bwd(out_dtype, residuals, dys):
     x, ws = residuals
-    grads = [_mixed_bwd(out_dtype, True, (x, w), dy) for w, dy in zip(ws, dys)]
+    grads = [_mixed_bwd(out_dtype, (x, w), dy) for w, dy in zip(ws, dys)]
     dx = functools.reduce(lambda a, b: a + b, (g[0].astype(jnp.float32) for g in grads))
     return dx.astype(x.dtype), tuple(g[1] for g in grads)
 

@@ -323,8 +323,10 @@ class Attention(nnx.Module):
 
     def _matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """x [B, T, K] @ w [K, N] -> [B, T, N] in the compute dtype (float32 accumulation)."""
-        return mixed_precision_matmul(x.astype(self.dtype), w.astype(self.dtype), self.dtype,
-                                      self._gemv(x))
+        x, w = x.astype(self.dtype), w.astype(self.dtype)
+        if self._gemv(x):
+            return few_row_matmuls(x, (w,), self.dtype)[0]
+        return mixed_precision_matmul(x, w, self.dtype)
 
     def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> q [B, T, N, H], k, v [B, T, Nkv, H], not rotated.
