@@ -48,6 +48,7 @@ import twell_jax as tj  # noqa: E402
 from pallas_kernels.row_pack import row_pack  # noqa: E402
 from pallas_kernels.row_up_down import row_up_down  # noqa: E402
 from pallas_kernels.scan_up_down import scan_up_down  # noqa: E402
+from twell_jax import inputs  # noqa: E402
 from twell_jax.format import heavy_rows, mask_lists  # noqa: E402
 
 
@@ -70,7 +71,7 @@ class Case:
     m: int
     d: int
     f: int
-    pattern: str  # uniform | heavy_tailed
+    pattern: str  # uniform | heavy_tailed (row skew) | hot_units (column skew)
     nnz_target: float  # mean active units per token
     p99_target: float | None = None  # heavy-tailed only
 
@@ -83,6 +84,9 @@ CASES = {
         Case("m16k_uniform28", 16384, 2048, 5632, "uniform", 28.0),
         Case("m16k_uniform2pct", 16384, 2048, 5632, "uniform", 0.02 * 5632),
         Case("m16k_heavy", 16384, 2048, 5632, "heavy_tailed", 60.0, 580.0),
+        # Zipf-like per-unit rates (inputs.firing_rates "heavy"): the busiest units fire on
+        # half the tokens, as in trained models; row counts stay near the mean.
+        Case("m16k_hot_units", 16384, 2048, 5632, "hot_units", 28.0),
         Case("m128k_uniform28", 131072, 2048, 5632, "uniform", 28.0),
         Case("wide_m16k_uniform", 16384, 4096, 14336, "uniform", 14336 * 28 / 5632),
         Case("wide_m16k_uniform28", 16384, 4096, 14336, "uniform", 28.0),
@@ -98,7 +102,7 @@ SUITES = {
     "smoke": ["smoke_uniform", "smoke_heavy"],
     "paper": ["m16k_uniform28", "m16k_heavy", "m16k_uniform2pct", "decode_m1", "decode_m8",
               "decode_m64", "wide_m16k_uniform28", "m128k_uniform28"],
-    "training": ["m16k_uniform28", "m16k_heavy"],
+    "training": ["m16k_uniform28", "m16k_heavy", "m16k_hot_units"],
     "decode": ["decode_m1", "decode_m8", "decode_m64", "decode_m8_heavy", "decode_m64_heavy",
                "decode_m1_half_dense"],
 }
@@ -136,7 +140,7 @@ def _calibrate(case: Case, rng: np.random.Generator):
 def make_case_inputs(case: Case, seed: int = 0):
     """bf16 x [M, D] and weights with the case's sparsity; pre-activations ~ N(0, scale^2)."""
     rng = np.random.default_rng(seed)
-    threshold, sigma = _calibrate(case, rng)
+    threshold, sigma = (0.0, 0.0) if case.pattern == "hot_units" else _calibrate(case, rng)
     key = jax.random.PRNGKey(seed)
     kx, kg, ku, kd, ks = jax.random.split(key, 5)
     m, d, f = case.m, case.d, case.f
@@ -145,7 +149,11 @@ def make_case_inputs(case: Case, seed: int = 0):
         x = x * jnp.exp(sigma * jax.random.normal(ks, (m, 1)))
     x = x.at[:, -1].set(1.0)
     w_gate = jax.random.normal(kg, (d, f), jnp.float32) / math.sqrt(d - 1)
-    w_gate = w_gate.at[-1].set(-threshold)
+    if case.pattern == "hot_units":
+        w_gate = inputs.with_threshold_row(
+            w_gate, inputs.firing_rates(f, case.nnz_target, "heavy"))
+    else:
+        w_gate = w_gate.at[-1].set(-threshold)
     w_up = jax.random.normal(ku, (d, f), jnp.float32) / math.sqrt(d)
     density = case.nnz_target / f
     w_down = jax.random.normal(kd, (f, d), jnp.float32) / math.sqrt(f * density)

@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (flags, header, timer summary, worker dispatch)
 from common import flag  # noqa: E402
 
+from twell_jax import inputs  # noqa: E402
 from twell_jax import model as model_lib  # noqa: E402
 from twell_jax.backends import Implementation  # noqa: E402
 
@@ -127,28 +128,11 @@ def remat_settings(text: str) -> list[bool]:
 # Calibration: per-unit gate biases that set each unit's firing rate.
 
 
-def firing_rates(d_ff: int, mean_nnz: float, pattern: str) -> np.ndarray:
-    """[F] probabilities p_j with sum p_j = mean_nnz (active units per token on average)."""
-    if pattern == "uniform":
-        return np.full(d_ff, mean_nnz / d_ff)
-    rank = np.random.default_rng(1).permutation(d_ff) + 1.0
-    weights = rank ** -0.8  # Zipf-like: the busiest unit fires ~1000x as often as the median
-    p = weights / weights.sum() * mean_nnz
-    for _ in range(50):  # cap at 0.5 and hand the excess to the others, keeping the sum
-        over = p > 0.5
-        if not over.any():
-            break
-        excess = (p[over] - 0.5).sum()
-        p[over] = 0.5
-        p[~over] += excess * p[~over] / p[~over].sum()
-    return p
-
-
 def calibrate(model: model_lib.Transformer, tokens: jax.Array, mean_nnz: float,
               pattern: str, log: Callable) -> list[np.ndarray]:
     """Sets every layer's ``b_gate`` so unit j fires on ~p_j of ``tokens``; returns them."""
     gates = nnx.jit(model_lib.gate_preactivations)
-    q = jnp.asarray(1.0 - firing_rates(model.cfg.d_ff, mean_nnz, pattern), jnp.float32)
+    q = jnp.asarray(1.0 - inputs.firing_rates(model.cfg.d_ff, mean_nnz, pattern), jnp.float32)
     biases = []
     for layer, block in enumerate(model.blocks):
         g = gates(model, tokens)[layer]  # this layer's input reflects the biases set so far

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.utils import load_experiment
+from twell_jax import inputs
 
 
 @pytest.fixture(scope="module")
@@ -16,12 +17,17 @@ def bench():
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "heavy"])
-def test_firing_rates_keep_the_mean(bench, pattern):
-    p = bench.firing_rates(5632, 28.0, pattern)
+def test_firing_rates_keep_the_mean(pattern):
+    p = inputs.firing_rates(5632, 28.0, pattern)
     assert p.shape == (5632,) and np.all(p > 0) and np.all(p <= 0.5)
     assert p.sum() == pytest.approx(28.0, rel=1e-6)
     if pattern == "heavy":
         assert p.max() > 50 * np.median(p)
+
+
+def test_firing_rates_reject_an_unknown_pattern():
+    with pytest.raises(ValueError, match="uniform or heavy"):
+        inputs.firing_rates(64, 2.0, "zipf")
 
 
 def test_calibration_hits_the_target(bench):

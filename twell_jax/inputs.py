@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def gaussian_rows(key: jax.Array, tokens: int, d_model: int) -> jax.Array:
@@ -17,14 +18,38 @@ def gaussian_rows(key: jax.Array, tokens: int, d_model: int) -> jax.Array:
     return x.at[:, -1].set(1.0)
 
 
-def with_threshold_row(w: jax.Array, density: float) -> jax.Array:
-    """``w`` [D, F] with its last row set so that about ``density`` of the units are active on
-    ``gaussian_rows``.
+def with_threshold_row(w: jax.Array, density) -> jax.Array:
+    """``w`` [D, F] with its last row set so that unit j is active on about ``density`` (a
+    float, or [F] per-unit rates in (0, 1)) of ``gaussian_rows``.
 
     Unit j's pre-activation is ``sum_{i<D-1} x_i w_ij + w_{D-1,j}``, Gaussian with standard
-    deviation ``||w_{:D-1,j}||``; the last row becomes minus that times the (1 - density)
+    deviation ``||w_{:D-1,j}||``; the last row becomes minus that times the (1 - density_j)
     quantile of a standard normal.
     """
-    z = float(jax.scipy.special.ndtri(1.0 - density))
+    z = jax.scipy.special.ndtri(1.0 - jnp.asarray(density, jnp.float32))
     threshold = z * jnp.linalg.norm(w[:-1].astype(jnp.float32), axis=0)
     return w.at[-1].set(-threshold.astype(w.dtype))
+
+
+def firing_rates(d_ff: int, mean_nnz: float, pattern: str) -> np.ndarray:
+    """[F] per-unit firing probabilities p_j with sum p_j = mean_nnz (active units per token).
+
+    ``uniform``: every unit alike. ``heavy``: Zipf-like, as in trained models where a few units
+    fire on a large share of tokens (the busiest ~1000x as often as the median unit), capped
+    at 0.5, the excess handed to the others so the mean stays.
+    """
+    if pattern == "uniform":
+        return np.full(d_ff, mean_nnz / d_ff)
+    if pattern != "heavy":
+        raise ValueError(f"pattern must be uniform or heavy, got {pattern!r}")
+    rank = np.random.default_rng(1).permutation(d_ff) + 1.0
+    p = rank ** -0.8
+    p = p / p.sum() * mean_nnz
+    for _ in range(50):  # cap at 0.5 and hand the excess to the others, keeping the sum
+        over = p > 0.5
+        if not over.any():
+            break
+        excess = (p[over] - 0.5).sum()
+        p[over] = 0.5
+        p[~over] += excess * p[~over] / p[~over].sum()
+    return p
