@@ -7,21 +7,26 @@ dW_gate = dg^T @ x and dW_up = du^T @ x. Several values arrays that share the pa
 
 A column-major view is built on the device first (``column_view``): the valid entries sorted by
 column with XLA's sort (invalid ones keyed F, so they sort last), per-column start offsets and
-counts (a binary search on the sorted keys). The kernel then gathers rows with the roles of
-rows and units swapped: grid (F / block_f,
-D / block_d); each program owns block_f output rows (units) x block_d features, loops k up to
-the largest count among its units, and at each step gathers, for each unit, the row of b named
-by its k-th entry (block_d contiguous elements: coalesced) times that entry's values, in fp32.
-Deterministic (no atomics). Units of one program with fewer entries idle (masked) for the
-remaining steps: skew across units costs time, not correctness. (An fp32-atomic variant
-without the sort took 14.9 ms against 4.4 ms for the whole FFN forward + backward on the H100,
-and a dense GEMM on the scattered values 4.8 ms: BENCHMARKS.md.)
+counts (a binary search on the sorted keys). Each unit's column is then cut into pieces of at
+most ``max(min_piece, 2 E / F)`` entries (``column_pieces``; E the valid entries), so a unit
+active on half the tokens, as the busiest units of trained models are, is shared by many
+programs instead of serialising one: with one program per unit it took 6-8 ms on the H100
+where the whole dense FFN forward + backward takes 4.4 (BENCHMARKS.md, run 35). The kernel
+gathers rows with the roles of rows and units swapped: grid (pieces / block_f, D / block_d);
+each program owns block_f pieces x block_d features, loops k up to its longest piece, and at
+each step gathers, for each piece, the row of b named by its k-th entry (block_d contiguous
+elements: coalesced) times that entry's values, in fp32. A unit's only piece is stored as its
+result; the pieces of a unit cut in several store partial sums, which a second small kernel
+adds in piece order. Deterministic (no atomics). (An fp32-atomic variant without the sort took
+14.9 ms against 4.4 ms for the whole FFN forward + backward on the H100, and a dense GEMM on
+the scattered values 4.8 ms: BENCHMARKS.md.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,28 +36,41 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_interpret
 
 
-def _sparse_outer_kernel(starts_ref, counts_ref, rows_ref, *refs, block_f: int, block_d: int,
-                         n_values: int, transposed: bool):
-    """One program: units [i * block_f, +block_f) x features [j * block_d, +block_d).
+def _store_rows(o_ref, rows, dcols, tile, transposed: bool, ok) -> None:
+    """Stores ``tile`` [n, block_d] at output rows ``rows`` [n] (units), columns ``dcols``
+    [1, block_d] of an [F, D] output, or transposed into a [D, F] one; rows with ``ok``
+    False are not written (their index is expected out of range too: the interpreter
+    applies masked scatters to every lane)."""
+    mask = jnp.broadcast_to(ok[:, None], tile.shape)
+    if transposed:
+        plgpu.store(o_ref.at[dcols.T, rows[None, :]], tile.T, mask=mask.T)
+    else:
+        plgpu.store(o_ref.at[rows[:, None], dcols], tile, mask=mask)
 
-    Refs (whole arrays): starts [F], counts [F] int32; rows [E] int32 (entry rows sorted by
-    unit); n_values sorted values [E]; b [M, D]; then n_values outputs [F, D] float32 ([D, F]
-    when ``transposed``).
+
+def _pieces_kernel(unit_ref, start_ref, length_ref, kind_ref, rows_ref, *refs, block_f: int,
+                   block_d: int, n_values: int, transposed: bool, d_ff: int, n_pieces: int):
+    """One program: pieces [i * block_f, +block_f) x features [j * block_d, +block_d).
+
+    Refs (whole arrays): per piece its unit, first sorted entry, length and kind [P] int32
+    (0 unused, 1 its unit's only piece, 2 one of several); rows [E] int32 (entry rows sorted
+    by unit); n_values sorted values [E]; b [M, D]; then n_values outputs [F, D] float32
+    ([D, F] when ``transposed``) and n_values partial sums [P, D] float32.
     """
     values_refs = refs[:n_values]
     b_ref = refs[n_values]
-    out_refs = refs[n_values + 1:]
-    i = pl.program_id(0)
-    j = pl.program_id(1)
-    unit0 = pl.multiple_of(i * block_f, block_f)
-    col0 = pl.multiple_of(j * block_d, block_d)
-    units = pl.ds(unit0, block_f)
-    starts = starts_ref[units]
-    counts = counts_ref[units]
+    out_refs = refs[n_values + 1:2 * n_values + 1]
+    partial_refs = refs[2 * n_values + 1:]
+    piece0 = pl.multiple_of(pl.program_id(0) * block_f, block_f)
+    col0 = pl.multiple_of(pl.program_id(1) * block_d, block_d)
+    pieces = pl.ds(piece0, block_f)
+    starts = start_ref[pieces]
+    lengths = length_ref[pieces]
+    kinds = kind_ref[pieces]
     dcols = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
 
     def step(k, accs):
-        valid = k < counts
+        valid = k < lengths
         entry = jnp.where(valid, starts + k, 0)
         row = plgpu.load(rows_ref.at[entry], mask=valid, other=0)
         bmask = jnp.broadcast_to(valid[:, None], (block_f, block_d))
@@ -65,12 +83,47 @@ def _sparse_outer_kernel(starts_ref, counts_ref, rows_ref, *refs, block_f: int, 
         return tuple(out)
 
     zeros = tuple(jnp.zeros((block_f, block_d), jnp.float32) for _ in range(n_values))
-    accs = jax.lax.fori_loop(0, jnp.max(counts), step, zeros)
+    accs = jax.lax.fori_loop(0, jnp.max(lengths), step, zeros)
+    # A unit's only piece is its result; one of several goes to its own partial-sum row.
+    single = kinds == 1
+    several = kinds == 2
+    unit_rows = jnp.where(single, unit_ref[pieces], d_ff)
+    piece_rows = jnp.where(several, piece0 + jax.lax.iota(jnp.int32, block_f), n_pieces)
+    for acc, o_ref, p_ref in zip(accs, out_refs, partial_refs):
+        _store_rows(o_ref, unit_rows, dcols, acc, transposed, single)
+        _store_rows(p_ref, piece_rows, dcols, acc, False, several)
+
+
+def _sum_pieces_kernel(hot_ref, first_ref, count_ref, *refs, block_h: int, block_d: int,
+                       n_values: int, transposed: bool, d_ff: int):
+    """One program: hot units [i * block_h, +block_h) x features [j * block_d, +block_d).
+
+    Refs: hot units [H] int32 (``d_ff`` past the real ones), each unit's first piece and piece
+    count [F] int32, n_values partial sums [P, D]; then the n_values outputs twice (the
+    aliased inputs, unread, and the outputs): each hot unit's row is the sum of its pieces'
+    partial sums, in piece order.
+    """
+    partial_refs = refs[:n_values]
+    out_refs = refs[2 * n_values:]
+    col0 = pl.multiple_of(pl.program_id(1) * block_d, block_d)
+    units = hot_ref[pl.ds(pl.multiple_of(pl.program_id(0) * block_h, block_h), block_h)]
+    ok = units < d_ff
+    safe = jnp.where(ok, units, 0)
+    first = plgpu.load(first_ref.at[safe], mask=ok, other=0)
+    count = plgpu.load(count_ref.at[safe], mask=ok, other=0)
+    dcols = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
+
+    def step(k, accs):
+        valid = k < count
+        piece = jnp.where(valid, first + k, 0)
+        mask = jnp.broadcast_to(valid[:, None], (block_h, block_d))
+        return tuple(acc + plgpu.load(p_ref.at[piece[:, None], dcols], mask=mask, other=0.0)
+                     for acc, p_ref in zip(accs, partial_refs))
+
+    zeros = tuple(jnp.zeros((block_h, block_d), jnp.float32) for _ in range(n_values))
+    accs = jax.lax.fori_loop(0, jnp.max(count), step, zeros)
     for acc, o_ref in zip(accs, out_refs):
-        if transposed:  # block_f contiguous units per feature row: the store is still wide
-            o_ref[pl.ds(col0, block_d), units] = acc.T
-        else:
-            o_ref[units, pl.ds(col0, block_d)] = acc
+        _store_rows(o_ref, units, dcols, acc, transposed, ok)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,15 +135,21 @@ class SparseOuterConfig:
       block_d: output features per program (power of two): the gathered segment of each b row.
       num_warps: Triton warps per program.
       num_stages: Triton pipelining stages of the k loop.
+      min_piece: the shortest piece a unit's column is cut into (entries; the length is
+        ``max(min_piece, 2 * entries / F)``, so a column no busier than twice the mean is one
+        piece).
     """
 
     block_f: int = 16
     block_d: int = 512
     num_warps: int = 4
     num_stages: int = 1
+    min_piece: int = 64
 
     def __post_init__(self):
         check_config(self, ("block_f", "block_d", "num_warps"))
+        if not isinstance(self.min_piece, int) or self.min_piece < 1:
+            raise ValueError(f"min_piece must be an int >= 1, got {self.min_piece!r}")
 
 
 def default_sparse_outer_config(f: int, d: int, n_values: int = 1) -> SparseOuterConfig:
@@ -141,6 +200,58 @@ def column_view(columns: jax.Array, row_nnz: jax.Array, d_ff: int):
     return order, edges[:-1], edges[1:] - edges[:-1]
 
 
+class ColumnPieces(NamedTuple):
+    """Each unit's column of sorted entries cut into pieces of at most ``length`` entries
+    (every unit has at least one piece, empty or not): the kernel's work items.
+
+    Per piece [P] int32: ``unit`` (F past the real pieces), ``start`` (first sorted entry),
+    ``size`` (entries), ``kind`` (0 unused, 1 its unit's only piece, 2 one of several). Per
+    unit [F] int32: ``first`` piece and ``count`` of pieces. ``hot`` [H] int32: the units
+    with several pieces, ascending, F past them. ``length``: the piece length (a scalar).
+    """
+
+    unit: jax.Array
+    start: jax.Array
+    size: jax.Array
+    kind: jax.Array
+    first: jax.Array
+    count: jax.Array
+    hot: jax.Array
+    length: jax.Array
+
+
+def max_pieces(d_ff: int) -> tuple[int, int]:
+    """Static bounds (pieces, units with several pieces) for ``column_pieces``: with pieces of
+    at least 2 E / F entries there are at most F + F / 2 pieces and fewer than F / 2 units
+    have more than one."""
+    return d_ff + d_ff // 2, max(1, d_ff // 2)
+
+
+def column_pieces(starts: jax.Array, counts: jax.Array, min_piece: int,
+                  padded: tuple[int, int] | None = None) -> ColumnPieces:
+    """Cuts the column view (``column_view``'s starts and counts [F]) into pieces of
+    ``max(min_piece, ceil(2 E / F))`` entries, E the valid entries: a busy unit (a unit
+    active on many tokens, common in trained models) is then shared by several programs
+    instead of serialising one. ``padded``: (pieces, hot units) array lengths, at least
+    ``max_pieces(F)``."""
+    d_ff = counts.shape[0]
+    n_pieces, n_hot = padded or max_pieces(d_ff)
+    entries = jnp.sum(counts)
+    length = jnp.maximum(min_piece, (2 * entries + d_ff - 1) // d_ff).astype(jnp.int32)
+    count = jnp.maximum(1, (counts + length - 1) // length)
+    end = jnp.cumsum(count)
+    first = end - count
+    piece = jnp.arange(n_pieces, dtype=jnp.int32)
+    unit = jnp.searchsorted(end, piece, side="right").astype(jnp.int32)  # F past the last
+    safe = jnp.minimum(unit, d_ff - 1)
+    offset = (piece - first[safe]) * length
+    real = unit < d_ff
+    size = jnp.where(real, jnp.clip(counts[safe] - offset, 0, length), 0)
+    kind = jnp.where(real, jnp.where(count[safe] == 1, 1, 2), 0).astype(jnp.int32)
+    hot = jnp.nonzero(count > 1, size=n_hot, fill_value=d_ff)[0].astype(jnp.int32)
+    return ColumnPieces(unit, starts[safe] + offset, size, kind, first, count, hot, length)
+
+
 def sparse_outer(
     values: tuple[jax.Array, ...],
     columns: jax.Array,
@@ -177,23 +288,37 @@ def sparse_outer(
         raise ValueError(f"d_ff={d_ff} is not a multiple of block_f={config.block_f}")
     if d % config.block_d:
         raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
+    block_f, block_d, n = config.block_f, config.block_d, len(values)
     order, starts, counts = column_view(columns, jnp.minimum(row_nnz, k), d_ff)
+    n_pieces, n_hot = (-(-bound // block_f) * block_f for bound in max_pieces(d_ff))
+    pieces = column_pieces(starts, counts, config.min_piece, (n_pieces, n_hot))
     rows = order // k
     sorted_values = [v.reshape(-1)[order] for v in values]
-    kernel = functools.partial(_sparse_outer_kernel, block_f=config.block_f,
-                               block_d=config.block_d, n_values=len(values),
-                               transposed=transposed)
     shape = (d, d_ff) if transposed else (d_ff, d)
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    interpret = resolve_interpret(interpret)
     out = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _ in values],
-        grid=(d_ff // config.block_f, d // config.block_d),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
-        interpret=resolve_interpret(interpret),
+        functools.partial(_pieces_kernel, block_f=block_f, block_d=block_d, n_values=n,
+                          transposed=transposed, d_ff=d_ff, n_pieces=n_pieces),
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _ in values]
+        + [jax.ShapeDtypeStruct((n_pieces, d), jnp.float32) for _ in values],
+        grid=(n_pieces // block_f, d // block_d),
+        compiler_params=params,
+        interpret=interpret,
         name="twell_sparse_outer",
-    )(starts, counts, rows, *sorted_values, b)
-    return tuple(out)
+    )(pieces.unit, pieces.start, pieces.size, pieces.kind, rows, *sorted_values, b)
+    results, partials = out[:n], out[n:]
+    # The units cut into several pieces: their rows are the sums of their partial rows.
+    return tuple(pl.pallas_call(
+        functools.partial(_sum_pieces_kernel, block_h=block_f, block_d=block_d, n_values=n,
+                          transposed=transposed, d_ff=d_ff),
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _ in values],
+        grid=(n_hot // block_f, d // block_d),
+        input_output_aliases={3 + n + i: i for i in range(n)},
+        compiler_params=params,
+        interpret=interpret,
+        name="twell_sparse_outer_sum_pieces",
+    )(pieces.hot, pieces.first, pieces.count, *partials, *results))
 
 
 def sparse_outer_reference(

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import twell_jax as tj
-from pallas_kernels.sparse_outer import (SparseOuterConfig, column_view, sparse_outer,
-                                         sparse_outer_reference)
+from pallas_kernels.sparse_outer import (SparseOuterConfig, column_pieces, column_view,
+                                         max_pieces, sparse_outer, sparse_outer_reference)
 from tests.utils import assert_close, make_ffn_inputs
 
 M, K, D, F = 48, 12, 64, 96
@@ -50,12 +50,18 @@ def float64_outer(values, columns, row_nnz, b):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("n_values", [1, 2])
 @pytest.mark.parametrize("transposed", [False, True], ids=["FxD", "DxF"])
-def test_kernel_matches_reference_and_float64(pattern, dtype, n_values, transposed):
+@pytest.mark.parametrize("min_piece", [64, 1], ids=["whole_columns", "cut_columns"])
+def test_kernel_matches_reference_and_float64(pattern, dtype, n_values, transposed, min_piece):
+    # min_piece 1: pieces of ~2 E / F = 6 entries, so busy columns (all of unit 5's 48 in
+    # "hot_column") are cut into several pieces whose partial sums are added afterwards.
     seed = {"uniform": 1, "zero_rows": 2, "full_rows": 3, "hot_column": 4}[pattern]
     values, columns, row_nnz, b = make_pattern(seed, pattern, dtype, n_values)
     expected = float64_outer(values, columns, row_nnz, b)
-    got = sparse_outer(values, columns, row_nnz, b, F,
-                       config=SparseOuterConfig(block_f=16, block_d=32), transposed=transposed)
+    config = SparseOuterConfig(block_f=16, block_d=32, min_piece=min_piece)
+    got = sparse_outer(values, columns, row_nnz, b, F, config=config, transposed=transposed)
+    if pattern == "hot_column" and min_piece == 1:  # the cut path really ran
+        _, starts, counts = column_view(columns, row_nnz, F)
+        assert 5 in np.asarray(column_pieces(starts, counts, min_piece).hot)
     got = [g.T for g in got] if transposed else got
     ref = jax.jit(sparse_outer_reference, static_argnums=4)(values, columns, row_nnz, b, F)
     assert len(got) == len(ref) == n_values
@@ -78,6 +84,35 @@ def test_column_view_groups_entries_by_column():
         assert np.all(cols.reshape(-1)[entries] == f) and np.all(np.diff(entries) > 0)
 
 
+@pytest.mark.parametrize("counts", [
+    [0] * 10 + [500] + [0] * 5,  # one unit holds every entry
+    [3] * 16,  # all alike: one piece each
+    [0] * 16,  # nothing
+    [1, 40, 0, 7, 7, 100, 2, 0, 9, 64, 65, 1, 0, 0, 33, 12],
+])
+@pytest.mark.parametrize("min_piece", [1, 8])
+def test_column_pieces_cover_every_entry_once(counts, min_piece):
+    counts = np.asarray(counts, np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+    f = len(counts)
+    p = jax.tree.map(np.asarray, column_pieces(jnp.asarray(starts), jnp.asarray(counts),
+                                               min_piece))
+    n_pieces, n_hot = max_pieces(f)
+    assert p.unit.shape == (n_pieces,) and p.hot.shape == (n_hot,)
+    length = int(p.length)
+    assert length == max(min_piece, -(-2 * int(counts.sum()) // f))
+    assert np.all(p.size <= length) and np.all(p.size >= 0)
+    real = p.kind > 0
+    assert real.sum() == p.count.sum() and np.all(p.unit[~real] == f) and np.all(p.size[~real] == 0)
+    for u in range(f):
+        mine = np.nonzero(p.unit == u)[0]
+        np.testing.assert_array_equal(mine, p.first[u] + np.arange(p.count[u]))
+        covered = np.concatenate([np.arange(s, s + n) for s, n in zip(p.start[mine], p.size[mine])])
+        np.testing.assert_array_equal(covered, starts[u] + np.arange(counts[u]))
+        assert np.all(p.kind[mine] == (1 if len(mine) == 1 else 2))
+    np.testing.assert_array_equal(p.hot[p.hot < f], np.nonzero(p.count > 1)[0])
+
+
 def test_bad_arguments_raise():
     values, columns, row_nnz, b = make_pattern(0, "uniform", jnp.float32)
     with pytest.raises(ValueError, match="non-empty tuple"):
@@ -88,6 +123,8 @@ def test_bad_arguments_raise():
         sparse_outer(values, columns, row_nnz, b, F, config=SparseOuterConfig(block_f=64))
     with pytest.raises(ValueError, match="int32"):
         sparse_outer(values, columns.astype(jnp.int16), row_nnz, b, F)
+    with pytest.raises(ValueError, match="min_piece"):
+        SparseOuterConfig(min_piece=0)
 
 
 def test_backend_gradients_equal_the_reference_backend():
