@@ -15,9 +15,10 @@ where the whole dense FFN forward + backward takes 4.4 (BENCHMARKS.md, run 35). 
 gathers rows with the roles of rows and units swapped: grid (pieces / block_f, D / block_d);
 each program owns block_f pieces x block_d features, loops k up to its longest piece, and at
 each step gathers, for each piece, the row of b named by its k-th entry (block_d contiguous
-elements: coalesced) times that entry's values, in fp32. A unit's only piece is stored as its
-result; the pieces of a unit cut in several store partial sums, which a second small kernel
-adds in piece order. Deterministic (no atomics). (An fp32-atomic variant without the sort took
+elements: coalesced) times that entry's values, in fp32. The first F pieces are the units'
+first pieces, stored as their output rows; the later pieces of busy units store partial sums,
+which a second small kernel adds to their units' rows in piece order. Deterministic (no
+atomics). (An fp32-atomic variant without the sort took
 14.9 ms against 4.4 ms for the whole FFN forward + backward on the H100, and a dense GEMM on
 the scattered values 4.8 ms: BENCHMARKS.md.)
 """
@@ -36,41 +37,32 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_interpret
 
 
-def _store_rows(o_ref, rows, dcols, tile, transposed: bool, ok) -> None:
-    """Stores ``tile`` [n, block_d] at output rows ``rows`` [n] (units), columns ``dcols``
-    [1, block_d] of an [F, D] output, or transposed into a [D, F] one; rows with ``ok``
-    False are not written (their index is expected out of range too: the interpreter
-    applies masked scatters to every lane)."""
-    mask = jnp.broadcast_to(ok[:, None], tile.shape)
-    if transposed:
-        plgpu.store(o_ref.at[dcols.T, rows[None, :]], tile.T, mask=mask.T)
-    else:
-        plgpu.store(o_ref.at[rows[:, None], dcols], tile, mask=mask)
-
-
-def _pieces_kernel(unit_ref, start_ref, length_ref, kind_ref, rows_ref, *refs, block_f: int,
-                   block_d: int, n_values: int, transposed: bool, d_ff: int, n_pieces: int):
+def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, block_d: int,
+                         n_values: int, transposed: bool, unit_blocks: int):
     """One program: pieces [i * block_f, +block_f) x features [j * block_d, +block_d).
 
-    Refs (whole arrays): per piece its unit, first sorted entry, length and kind [P] int32
-    (0 unused, 1 its unit's only piece, 2 one of several); rows [E] int32 (entry rows sorted
-    by unit); n_values sorted values [E]; b [M, D]; then n_values outputs [F, D] float32
-    ([D, F] when ``transposed``) and n_values partial sums [P, D] float32.
+    Pieces [0, F) are the units' first pieces: programs i < ``unit_blocks`` store their tiles
+    as those units' output rows. Later pieces are the rest of the busy units' columns: those
+    programs store partial sums, one row per piece (``_add_pieces_kernel`` adds them).
+
+    Refs (whole arrays): per piece its first sorted entry and size [P] int32; rows [E] int32
+    (entry rows sorted by unit); n_values sorted values [E]; b [M, D]; then n_values outputs
+    [F, D] float32 ([D, F] when ``transposed``) and n_values partial sums [P - F, D] float32.
     """
     values_refs = refs[:n_values]
     b_ref = refs[n_values]
     out_refs = refs[n_values + 1:2 * n_values + 1]
     partial_refs = refs[2 * n_values + 1:]
-    piece0 = pl.multiple_of(pl.program_id(0) * block_f, block_f)
+    i = pl.program_id(0)
+    piece0 = pl.multiple_of(i * block_f, block_f)
     col0 = pl.multiple_of(pl.program_id(1) * block_d, block_d)
     pieces = pl.ds(piece0, block_f)
     starts = start_ref[pieces]
-    lengths = length_ref[pieces]
-    kinds = kind_ref[pieces]
+    sizes = size_ref[pieces]
     dcols = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
 
     def step(k, accs):
-        valid = k < lengths
+        valid = k < sizes
         entry = jnp.where(valid, starts + k, 0)
         row = plgpu.load(rows_ref.at[entry], mask=valid, other=0)
         bmask = jnp.broadcast_to(valid[:, None], (block_f, block_d))
@@ -83,27 +75,35 @@ def _pieces_kernel(unit_ref, start_ref, length_ref, kind_ref, rows_ref, *refs, b
         return tuple(out)
 
     zeros = tuple(jnp.zeros((block_f, block_d), jnp.float32) for _ in range(n_values))
-    accs = jax.lax.fori_loop(0, jnp.max(lengths), step, zeros)
-    # A unit's only piece is its result; one of several goes to its own partial-sum row.
-    single = kinds == 1
-    several = kinds == 2
-    unit_rows = jnp.where(single, unit_ref[pieces], d_ff)
-    piece_rows = jnp.where(several, piece0 + jax.lax.iota(jnp.int32, block_f), n_pieces)
-    for acc, o_ref, p_ref in zip(accs, out_refs, partial_refs):
-        _store_rows(o_ref, unit_rows, dcols, acc, transposed, single)
-        _store_rows(p_ref, piece_rows, dcols, acc, False, several)
+    accs = jax.lax.fori_loop(0, jnp.max(sizes), step, zeros)
+    features = pl.ds(col0, block_d)
+
+    @pl.when(i < unit_blocks)
+    def _():
+        for acc, o_ref in zip(accs, out_refs):
+            if transposed:  # block_f contiguous units per feature row: the store is still wide
+                o_ref[features, pieces] = acc.T
+            else:
+                o_ref[pieces, features] = acc
+
+    @pl.when(i >= unit_blocks)
+    def _():
+        rows = pl.ds(pl.multiple_of(piece0 - unit_blocks * block_f, block_f), block_f)
+        for acc, p_ref in zip(accs, partial_refs):
+            p_ref[rows, features] = acc
 
 
-def _sum_pieces_kernel(hot_ref, first_ref, count_ref, *refs, block_h: int, block_d: int,
+def _add_pieces_kernel(hot_ref, first_ref, count_ref, *refs, block_h: int, block_d: int,
                        n_values: int, transposed: bool, d_ff: int):
-    """One program: hot units [i * block_h, +block_h) x features [j * block_d, +block_d).
+    """One program: busy units [i * block_h, +block_h) x features [j * block_d, +block_d):
+    each unit's output row += its later pieces' partial sums, in piece order.
 
-    Refs: hot units [H] int32 (``d_ff`` past the real ones), each unit's first piece and piece
-    count [F] int32, n_values partial sums [P, D]; then the n_values outputs twice (the
-    aliased inputs, unread, and the outputs): each hot unit's row is the sum of its pieces'
-    partial sums, in piece order.
+    Refs: busy units [H] int32 (``d_ff`` past the real ones); each unit's first later piece
+    (a partial-sum row) and their count [F] int32; n_values partial sums [P - F, D]; the
+    n_values outputs as inputs, then as outputs (aliased).
     """
     partial_refs = refs[:n_values]
+    in_refs = refs[n_values:2 * n_values]
     out_refs = refs[2 * n_values:]
     col0 = pl.multiple_of(pl.program_id(1) * block_d, block_d)
     units = hot_ref[pl.ds(pl.multiple_of(pl.program_id(0) * block_h, block_h), block_h)]
@@ -112,18 +112,29 @@ def _sum_pieces_kernel(hot_ref, first_ref, count_ref, *refs, block_h: int, block
     first = plgpu.load(first_ref.at[safe], mask=ok, other=0)
     count = plgpu.load(count_ref.at[safe], mask=ok, other=0)
     dcols = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
+    mask = jnp.broadcast_to(ok[:, None], (block_h, block_d))
+    # Masked lanes aim out of range too: the interpreter applies masked scatters everywhere.
+    rows = jnp.where(ok, units, d_ff)
+    if transposed:
+        at = lambda ref: ref.at[dcols.T, rows[None, :]]
+        accs = tuple(plgpu.load(at(r), mask=mask.T, other=0.0).T for r in in_refs)
+    else:
+        at = lambda ref: ref.at[rows[:, None], dcols]
+        accs = tuple(plgpu.load(at(r), mask=mask, other=0.0) for r in in_refs)
 
     def step(k, accs):
         valid = k < count
         piece = jnp.where(valid, first + k, 0)
-        mask = jnp.broadcast_to(valid[:, None], (block_h, block_d))
-        return tuple(acc + plgpu.load(p_ref.at[piece[:, None], dcols], mask=mask, other=0.0)
+        pmask = jnp.broadcast_to(valid[:, None], (block_h, block_d))
+        return tuple(acc + plgpu.load(p_ref.at[piece[:, None], dcols], mask=pmask, other=0.0)
                      for acc, p_ref in zip(accs, partial_refs))
 
-    zeros = tuple(jnp.zeros((block_h, block_d), jnp.float32) for _ in range(n_values))
-    accs = jax.lax.fori_loop(0, jnp.max(count), step, zeros)
+    accs = jax.lax.fori_loop(0, jnp.max(count), step, accs)
     for acc, o_ref in zip(accs, out_refs):
-        _store_rows(o_ref, units, dcols, acc, transposed, ok)
+        if transposed:
+            plgpu.store(at(o_ref), acc.T, mask=mask.T)
+        else:
+            plgpu.store(at(o_ref), acc, mask=mask)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,55 +212,54 @@ def column_view(columns: jax.Array, row_nnz: jax.Array, d_ff: int):
 
 
 class ColumnPieces(NamedTuple):
-    """Each unit's column of sorted entries cut into pieces of at most ``length`` entries
-    (every unit has at least one piece, empty or not): the kernel's work items.
+    """Each unit's column of sorted entries cut into pieces of at most ``length`` entries: the
+    kernel's work items.
 
-    Per piece [P] int32: ``unit`` (F past the real pieces), ``start`` (first sorted entry),
-    ``size`` (entries), ``kind`` (0 unused, 1 its unit's only piece, 2 one of several). Per
-    unit [F] int32: ``first`` piece and ``count`` of pieces. ``hot`` [H] int32: the units
-    with several pieces, ascending, F past them. ``length``: the piece length (a scalar).
+    Per piece [P] int32: ``start`` (first sorted entry) and ``size`` (entries). Pieces [0, F)
+    are the units' first pieces (empty for an idle unit); the later ones, from F on, hold the
+    rest of the busy units' columns, unit by unit (size 0 past the real ones). Per unit [F]
+    int32: ``later_first``, its first later piece counted from F, and ``later_count``. ``busy``
+    [H] int32: the units with later pieces, ascending, F past them. ``length``: a scalar.
     """
 
-    unit: jax.Array
     start: jax.Array
     size: jax.Array
-    kind: jax.Array
-    first: jax.Array
-    count: jax.Array
-    hot: jax.Array
+    later_first: jax.Array
+    later_count: jax.Array
+    busy: jax.Array
     length: jax.Array
 
 
-def max_pieces(d_ff: int) -> tuple[int, int]:
-    """Static bounds (pieces, units with several pieces) for ``column_pieces``: with pieces of
-    at least 2 E / F entries there are at most F + F / 2 pieces and fewer than F / 2 units
-    have more than one."""
-    return d_ff + d_ff // 2, max(1, d_ff // 2)
+def max_later_pieces(d_ff: int) -> int:
+    """Static bound on the later pieces (and busy units) of ``column_pieces``: pieces of at
+    least 2 E / F entries leave at most E / (2 E / F) = F / 2 of them."""
+    return max(1, d_ff // 2)
 
 
 def column_pieces(starts: jax.Array, counts: jax.Array, min_piece: int,
-                  padded: tuple[int, int] | None = None) -> ColumnPieces:
+                  padded: int | None = None) -> ColumnPieces:
     """Cuts the column view (``column_view``'s starts and counts [F]) into pieces of
-    ``max(min_piece, ceil(2 E / F))`` entries, E the valid entries: a busy unit (a unit
-    active on many tokens, common in trained models) is then shared by several programs
-    instead of serialising one. ``padded``: (pieces, hot units) array lengths, at least
-    ``max_pieces(F)``."""
+    ``max(min_piece, ceil(2 E / F))`` entries, E the valid entries: a busy unit (one active on
+    many tokens, common in trained models) is then shared by several programs instead of
+    serialising one. ``padded``: the number of later pieces and busy units to allocate, at
+    least ``max_later_pieces(F)``."""
     d_ff = counts.shape[0]
-    n_pieces, n_hot = padded or max_pieces(d_ff)
+    n_later = padded or max_later_pieces(d_ff)
     entries = jnp.sum(counts)
     length = jnp.maximum(min_piece, (2 * entries + d_ff - 1) // d_ff).astype(jnp.int32)
-    count = jnp.maximum(1, (counts + length - 1) // length)
-    end = jnp.cumsum(count)
-    first = end - count
-    piece = jnp.arange(n_pieces, dtype=jnp.int32)
-    unit = jnp.searchsorted(end, piece, side="right").astype(jnp.int32)  # F past the last
+    later_count = jnp.maximum(0, (counts + length - 1) // length - 1).astype(jnp.int32)
+    end = jnp.cumsum(later_count)
+    later_first = (end - later_count).astype(jnp.int32)
+    later = jnp.arange(n_later, dtype=jnp.int32)
+    unit = jnp.searchsorted(end, later, side="right").astype(jnp.int32)  # F past the last
     safe = jnp.minimum(unit, d_ff - 1)
-    offset = (piece - first[safe]) * length
-    real = unit < d_ff
-    size = jnp.where(real, jnp.clip(counts[safe] - offset, 0, length), 0)
-    kind = jnp.where(real, jnp.where(count[safe] == 1, 1, 2), 0).astype(jnp.int32)
-    hot = jnp.nonzero(count > 1, size=n_hot, fill_value=d_ff)[0].astype(jnp.int32)
-    return ColumnPieces(unit, starts[safe] + offset, size, kind, first, count, hot, length)
+    offset = (later - later_first[safe] + 1) * length
+    size = jnp.where(unit < d_ff, jnp.clip(counts[safe] - offset, 0, length), 0)
+    busy = jnp.nonzero(later_count > 0, size=n_later, fill_value=d_ff)[0].astype(jnp.int32)
+    return ColumnPieces(
+        start=jnp.concatenate([starts, starts[safe] + offset]).astype(jnp.int32),
+        size=jnp.concatenate([jnp.minimum(counts, length), size]).astype(jnp.int32),
+        later_first=later_first, later_count=later_count, busy=busy, length=length)
 
 
 def sparse_outer(
@@ -290,35 +300,35 @@ def sparse_outer(
         raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
     block_f, block_d, n = config.block_f, config.block_d, len(values)
     order, starts, counts = column_view(columns, jnp.minimum(row_nnz, k), d_ff)
-    n_pieces, n_hot = (-(-bound // block_f) * block_f for bound in max_pieces(d_ff))
-    pieces = column_pieces(starts, counts, config.min_piece, (n_pieces, n_hot))
+    n_later = -(-max_later_pieces(d_ff) // block_f) * block_f
+    pieces = column_pieces(starts, counts, config.min_piece, n_later)
     rows = order // k
     sorted_values = [v.reshape(-1)[order] for v in values]
     shape = (d, d_ff) if transposed else (d_ff, d)
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     interpret = resolve_interpret(interpret)
     out = pl.pallas_call(
-        functools.partial(_pieces_kernel, block_f=block_f, block_d=block_d, n_values=n,
-                          transposed=transposed, d_ff=d_ff, n_pieces=n_pieces),
+        functools.partial(_sparse_outer_kernel, block_f=block_f, block_d=block_d, n_values=n,
+                          transposed=transposed, unit_blocks=d_ff // block_f),
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _ in values]
-        + [jax.ShapeDtypeStruct((n_pieces, d), jnp.float32) for _ in values],
-        grid=(n_pieces // block_f, d // block_d),
+        + [jax.ShapeDtypeStruct((n_later, d), jnp.float32) for _ in values],
+        grid=((d_ff + n_later) // block_f, d // block_d),
         compiler_params=params,
         interpret=interpret,
         name="twell_sparse_outer",
-    )(pieces.unit, pieces.start, pieces.size, pieces.kind, rows, *sorted_values, b)
+    )(pieces.start, pieces.size, rows, *sorted_values, b)
     results, partials = out[:n], out[n:]
-    # The units cut into several pieces: their rows are the sums of their partial rows.
+    # The busy units' rows: their first piece's sum plus their later pieces' partial sums.
     return tuple(pl.pallas_call(
-        functools.partial(_sum_pieces_kernel, block_h=block_f, block_d=block_d, n_values=n,
+        functools.partial(_add_pieces_kernel, block_h=block_f, block_d=block_d, n_values=n,
                           transposed=transposed, d_ff=d_ff),
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _ in values],
-        grid=(n_hot // block_f, d // block_d),
+        grid=(n_later // block_f, d // block_d),
         input_output_aliases={3 + n + i: i for i in range(n)},
         compiler_params=params,
         interpret=interpret,
-        name="twell_sparse_outer_sum_pieces",
-    )(pieces.hot, pieces.first, pieces.count, *partials, *results))
+        name="twell_sparse_outer_add_pieces",
+    )(pieces.busy, pieces.later_first, pieces.later_count, *partials, *results))
 
 
 def sparse_outer_reference(

@@ -125,7 +125,7 @@ def test_sparse_outer_lowers(n_values, transposed):
 
     module = export_for_cuda(fn, S((M, K), jnp.int32), S((M,), jnp.int32), S((M, D), BF16),
                              *[S((M, K), jnp.float32)] * n_values)
-    assert "twell_sparse_outer" in module and "twell_sparse_outer_sum_pieces" in module
+    assert "twell_sparse_outer" in module and "twell_sparse_outer_add_pieces" in module
 
 
 @pytest.mark.parametrize("config", [

@@ -8,7 +8,8 @@ import pytest
 
 import twell_jax as tj
 from pallas_kernels.sparse_outer import (SparseOuterConfig, column_pieces, column_view,
-                                         max_pieces, sparse_outer, sparse_outer_reference)
+                                         max_later_pieces, sparse_outer,
+                                         sparse_outer_reference)
 from tests.utils import assert_close, make_ffn_inputs
 
 M, K, D, F = 48, 12, 64, 96
@@ -61,7 +62,7 @@ def test_kernel_matches_reference_and_float64(pattern, dtype, n_values, transpos
     got = sparse_outer(values, columns, row_nnz, b, F, config=config, transposed=transposed)
     if pattern == "hot_column" and min_piece == 1:  # the cut path really ran
         _, starts, counts = column_view(columns, row_nnz, F)
-        assert 5 in np.asarray(column_pieces(starts, counts, min_piece).hot)
+        assert 5 in np.asarray(column_pieces(starts, counts, min_piece).busy)
     got = [g.T for g in got] if transposed else got
     ref = jax.jit(sparse_outer_reference, static_argnums=4)(values, columns, row_nnz, b, F)
     assert len(got) == len(ref) == n_values
@@ -97,20 +98,18 @@ def test_column_pieces_cover_every_entry_once(counts, min_piece):
     f = len(counts)
     p = jax.tree.map(np.asarray, column_pieces(jnp.asarray(starts), jnp.asarray(counts),
                                                min_piece))
-    n_pieces, n_hot = max_pieces(f)
-    assert p.unit.shape == (n_pieces,) and p.hot.shape == (n_hot,)
+    n_later = max_later_pieces(f)
+    assert p.start.shape == p.size.shape == (f + n_later,) and p.busy.shape == (n_later,)
     length = int(p.length)
     assert length == max(min_piece, -(-2 * int(counts.sum()) // f))
     assert np.all(p.size <= length) and np.all(p.size >= 0)
-    real = p.kind > 0
-    assert real.sum() == p.count.sum() and np.all(p.unit[~real] == f) and np.all(p.size[~real] == 0)
-    for u in range(f):
-        mine = np.nonzero(p.unit == u)[0]
-        np.testing.assert_array_equal(mine, p.first[u] + np.arange(p.count[u]))
+    assert p.later_count.sum() <= n_later and np.all(p.size[f + p.later_count.sum():] == 0)
+    for u in range(f):  # the first piece, then the later ones, cover the column in order
+        mine = np.concatenate([[u], f + p.later_first[u] + np.arange(p.later_count[u])])
+        assert np.all(p.size[mine[:-1]] == length)  # only the last piece may be short
         covered = np.concatenate([np.arange(s, s + n) for s, n in zip(p.start[mine], p.size[mine])])
         np.testing.assert_array_equal(covered, starts[u] + np.arange(counts[u]))
-        assert np.all(p.kind[mine] == (1 if len(mine) == 1 else 2))
-    np.testing.assert_array_equal(p.hot[p.hot < f], np.nonzero(p.count > 1)[0])
+    np.testing.assert_array_equal(p.busy[p.busy < f], np.nonzero(p.later_count)[0])
 
 
 def test_bad_arguments_raise():
