@@ -204,10 +204,11 @@ def column_view(columns: jax.Array, row_nnz: jax.Array, d_ff: int):
     valid = jnp.arange(k, dtype=jnp.int32)[None, :] < row_nnz[:, None]
     keys = jnp.where(valid & (columns >= 0) & (columns < d_ff), columns, d_ff).reshape(-1)
     order = jnp.argsort(keys, stable=True).astype(jnp.int32)
-    # Each column's extent in the sorted keys (a binary search, no scatter-add: a hot column
-    # would serialise the atomic adds).
+    # Each column's extent in the sorted keys: a binary search (no scatter-add: a hot column
+    # would serialise the atomic adds), unrolled (the default search is a while loop, which on
+    # a GPU waits on the host at each of its ~21 steps).
     edges = jnp.searchsorted(keys[order], jnp.arange(d_ff + 1, dtype=keys.dtype),
-                             side="left").astype(jnp.int32)
+                             side="left", method="scan_unrolled").astype(jnp.int32)
     return order, edges[:-1], edges[1:] - edges[:-1]
 
 
@@ -251,7 +252,8 @@ def column_pieces(starts: jax.Array, counts: jax.Array, min_piece: int,
     end = jnp.cumsum(later_count)
     later_first = (end - later_count).astype(jnp.int32)
     later = jnp.arange(n_later, dtype=jnp.int32)
-    unit = jnp.searchsorted(end, later, side="right").astype(jnp.int32)  # F past the last
+    unit = jnp.searchsorted(end, later, side="right",  # F past the last
+                            method="scan_unrolled").astype(jnp.int32)
     safe = jnp.minimum(unit, d_ff - 1)
     offset = (later - later_first[safe] + 1) * length
     size = jnp.where(unit < d_ff, jnp.clip(counts[safe] - offset, 0, length), 0)
