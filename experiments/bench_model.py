@@ -66,6 +66,9 @@ MEASURED: tuple[Implementation, ...] = ("xla", "pallas")  # the dense baseline a
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     presets: str = flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
+    implementations: str = flag("xla,pallas", "models to measure: xla (the dense baseline) "
+                                "and pallas; one alone has no ratio (for a run split over "
+                                "device calls: compare within one machine)")
     target_nnz: float = flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
     pattern: str = flag("uniform", "per-unit firing rates: uniform or heavy (Zipf-like)")
     prefill: str = flag("8x2048,64x2048", "prefill shapes BxT, comma separated")
@@ -107,11 +110,21 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
         if any(int(n) <= 0 for n in filter(None, cfg.decode.split(","))):
             raise ValueError("--decode sizes must be positive")
         remat_settings(cfg.remat)
+        implementations(cfg.implementations)
         if cfg.runs < 1 or cfg.target_nnz <= 0:
             raise ValueError("--runs and --target-nnz must be positive")
     except ValueError as e:
         parser.error(str(e))
     return cfg, worker
+
+
+def implementations(text: str) -> list[Implementation]:
+    """'pallas' -> ['pallas']: the models a run measures, in MEASURED's order."""
+    names = [name for name in text.split(",") if name]
+    if not names or len(set(names)) != len(names) or not set(names) <= set(MEASURED):
+        raise ValueError(f"--implementations: a comma list of {', '.join(MEASURED)} without "
+                         f"repeats, got {text!r}")
+    return [impl for impl in MEASURED if impl in names]
 
 
 def remat_settings(text: str) -> list[bool]:
@@ -492,7 +505,8 @@ def drive(cfg: BenchConfig, argv: list[str]) -> list[dict]:
             bias_file = os.path.join(tmp, f"{preset}_bias.npy")
             specs = [{"task": "calibrate", "preset": preset, "bias_file": bias_file}]
             specs += [{"task": "measure", "preset": preset, "implementation": impl,
-                       "bias_file": bias_file} for impl in MEASURED]
+                       "bias_file": bias_file}
+                      for impl in implementations(cfg.implementations)]
             rows += common.run_specs(__file__, specs, argv, out, header["commit"], log)
     table = ratio_table(rows)
     print_table(table)

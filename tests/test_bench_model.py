@@ -72,9 +72,15 @@ def test_end_to_end_on_tiny(bench, tmp_path, capsys):
 
 def test_bad_flags_exit(bench):
     for flags in (["--presets", "nope"], ["--prefill", "8by2048"], ["--pattern", "zipf"],
-                  ["--remat", "maybe"], ["--remat", "on,on"]):
+                  ["--remat", "maybe"], ["--remat", "on,on"], ["--implementations", "jax"],
+                  ["--implementations", ""], ["--implementations", "xla,xla"]):
         with pytest.raises(SystemExit):
             bench.parse_args(flags)
+
+
+def test_implementations(bench):
+    assert bench.implementations("pallas,xla") == ["xla", "pallas"]
+    assert bench.implementations("pallas") == ["pallas"]
 
 
 def test_remat_settings(bench):
