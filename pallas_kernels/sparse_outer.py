@@ -93,7 +93,7 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
             p_ref[rows, features] = acc
 
 
-def _add_pieces_kernel(hot_ref, first_ref, count_ref, *refs, block_h: int, block_d: int,
+def _add_pieces_kernel(busy_ref, first_ref, count_ref, *refs, block_h: int, block_d: int,
                        n_values: int, transposed: bool, d_ff: int):
     """One program: busy units [i * block_h, +block_h) x features [j * block_d, +block_d):
     each unit's output row += its later pieces' partial sums, in piece order.
@@ -106,7 +106,7 @@ def _add_pieces_kernel(hot_ref, first_ref, count_ref, *refs, block_h: int, block
     in_refs = refs[n_values:2 * n_values]
     out_refs = refs[2 * n_values:]
     col0 = pl.multiple_of(pl.program_id(1) * block_d, block_d)
-    units = hot_ref[pl.ds(pl.multiple_of(pl.program_id(0) * block_h, block_h), block_h)]
+    units = busy_ref[pl.ds(pl.multiple_of(pl.program_id(0) * block_h, block_h), block_h)]
     ok = units < d_ff
     safe = jnp.where(ok, units, 0)
     first = plgpu.load(first_ref.at[safe], mask=ok, other=0)
