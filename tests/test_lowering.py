@@ -16,10 +16,10 @@ the GPU), so shared-memory or register limits only show on the device.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
