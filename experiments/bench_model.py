@@ -261,8 +261,9 @@ def timing_optimizer() -> optax.GradientTransformation:
 def adamw_step(model, optimizer, tokens: jax.Array, l1_coeff: float):
     """One training step on ``tokens`` [B, T + 1] (loss with the L1 term, backward, the
     optimizer's update) as one ``jax.jit`` over the split (model, optimizer) state, donated and
-    carried from call to call. Returns (step() -> loss, the step's ``Lowered``, sync(): writes
-    the state back into model and optimizer, whose own arrays were donated)."""
+    carried from call to call, compiled once here. Returns (step() -> loss, the step's
+    ``Compiled``, sync(): writes the state back into model and optimizer, whose own arrays were
+    donated, compile seconds)."""
     graphdef, state = nnx.split((model, optimizer))
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -273,14 +274,23 @@ def adamw_step(model, optimizer, tokens: jax.Array, l1_coeff: float):
         opt.update(m, grads)
         return nnx.state((m, opt)), loss
 
-    lowered = train_step.lower(state, tokens)  # before the state is donated
+    # Compiled once and called as such: a later ``train_step(...)`` call would compile the
+    # step again (the 2b sparse step takes minutes to compile).
+    compiled, compile_s = compile_timed(train_step, state, tokens)
     carry = {"state": state}
 
     def step():
-        carry["state"], loss = train_step(carry["state"], tokens)
+        carry["state"], loss = compiled(carry["state"], tokens)
         return loss
 
-    return step, lowered, lambda: nnx.update((model, optimizer), carry["state"])
+    return step, compiled, lambda: nnx.update((model, optimizer), carry["state"]), compile_s
+
+
+def compile_timed(jitted, *args):
+    """(``jitted.lower(*args).compile()``, seconds it took: tracing, lowering, XLA)."""
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - start
 
 
 def jit_over_state(fn: Callable, module: nnx.Module):
@@ -304,13 +314,15 @@ def peak_bytes() -> int | None:
     return None if not stats else int(stats.get("peak_bytes_in_use", 0))
 
 
-def compiled_bytes(lowered) -> int | None:
-    """Static estimate from XLA: temporaries + arguments + outputs of a lowered function,
-    less the outputs that reuse a donated argument's buffer (counted once: a training step
-    donates its whole state; counting it twice called the 1.5b dense step without remat 77.2
-    GB, while it peaked at 58.8 GB on the H100, run 30)."""
+def compiled_bytes(compiled) -> int | None:
+    """Static estimate from XLA: temporaries + arguments + outputs of a compiled function
+    (a ``Lowered`` is compiled first), less the outputs that reuse a donated argument's buffer
+    (counted once: a training step donates its whole state; counting it twice called the 1.5b
+    dense step without remat 77.2 GB, while it peaked at 58.8 GB on the H100, run 30)."""
     try:
-        m = lowered.compile().memory_analysis()
+        if isinstance(compiled, jax.stages.Lowered):
+            compiled = compiled.compile()
+        m = compiled.memory_analysis()
         return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
                    - m.alias_size_in_bytes)
     except Exception:
@@ -392,19 +404,25 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
             row["mj_per_token"] = timing["energy_j"] * 1e3 / (tokens_per_call * timing["runs"])
         emit(row)
 
-    prefill, prefill_jitted, state = jit_over_state(last_logits, model)
+    _, prefill_jitted, state = jit_over_state(last_logits, model)
     for b, t in parse_shapes(cfg.prefill, ""):
         tokens = token_batch(mcfg, cfg, b, t)
         stats = layer_statistics(model, tokens)
-        record("prefill", [b, t], b * t, time_call(lambda: prefill(tokens), cfg.runs, sampler),
-               compiled_bytes=compiled_bytes(prefill_jitted.lower(state, tokens)), **stats)
+        common.progress(f"compiling prefill {b}x{t}")
+        prefill, compile_s = compile_timed(prefill_jitted, state, tokens)
+        record("prefill", [b, t], b * t,
+               time_call(lambda: prefill(state, tokens), cfg.runs, sampler),
+               compiled_bytes=compiled_bytes(prefill), compile_s=compile_s, **stats)
     for n in (int(v) for v in filter(None, cfg.decode.split(","))):
         tokens = token_batch(mcfg, cfg, n, 1)
-        record("decode", [n, 1], n, time_call(lambda: prefill(tokens), cfg.runs))
+        decode, compile_s = compile_timed(prefill_jitted, state, tokens)
+        record("decode", [n, 1], n, time_call(lambda: decode(state, tokens), cfg.runs),
+               compile_s=compile_s)
     emit({"kind": "memory", **base, "phase": "inference", "peak_bytes": peak_bytes()})
 
     for b, t in parse_shapes(cfg.train_batch, ""):
         tokens = token_batch(mcfg, cfg, b, t + 1)
+        common.progress("timing layer 0's FFN and attention alone")
         breakdown(model, tokens[:, :-1], cfg, emit, base)
         # Every setting starts from the calibrated weights, kept in host memory (out of the
         # device's peak): the timed steps leave them as they are (``timing_optimizer``), but
@@ -426,8 +444,9 @@ def time_training(model, tokens, remat: bool, cfg: BenchConfig, sampler, record,
     b, t = tokens.shape[0], tokens.shape[1] - 1
     model.cfg = dataclasses.replace(model.cfg, remat=remat)
     optimizer = nnx.Optimizer(model, timing_optimizer(), wrt=nnx.Param)
-    step, lowered, sync = adamw_step(model, optimizer, tokens, cfg.l1_coeff)
-    step_bytes = compiled_bytes(lowered)
+    common.progress(f"compiling the training step {b}x{t}, remat {'on' if remat else 'off'}")
+    step, compiled, sync, compile_s = adamw_step(model, optimizer, tokens, cfg.l1_coeff)
+    step_bytes = compiled_bytes(compiled)
     limit = device_bytes_limit()
     oom = {"kind": "oom", **base, "mode": "train", "shape": [b, t], "remat": remat,
            "compiled_bytes": step_bytes, "bytes_limit": limit}
@@ -435,6 +454,7 @@ def time_training(model, tokens, remat: bool, cfg: BenchConfig, sampler, record,
         emit({**oom, "reason": "the compiled step needs more than the device holds"})
         return True  # nothing ran: the state is intact
     try:
+        common.progress(f"compiled in {compile_s:.0f} s; timing")
         loss = float(step())
         timing = time_call(step, cfg.runs, sampler)
     except jax.errors.JaxRuntimeError as e:
@@ -442,7 +462,8 @@ def time_training(model, tokens, remat: bool, cfg: BenchConfig, sampler, record,
             raise
         emit({**oom, "reason": str(e).splitlines()[0][:300]})
         return False
-    record("train", [b, t], b * t, timing, loss=loss, remat=remat, compiled_bytes=step_bytes)
+    record("train", [b, t], b * t, timing, loss=loss, remat=remat, compiled_bytes=step_bytes,
+           compile_s=compile_s)
     sync()
     emit({"kind": "memory", **base, "phase": "training", "remat": remat,
           "peak_bytes": peak_bytes()})

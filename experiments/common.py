@@ -110,6 +110,12 @@ def run_task(worker: str, cfg, tasks: dict[str, Callable]) -> None:
     tasks[spec["task"]](spec, cfg, emit)
 
 
+def progress(text: str) -> None:
+    """Inside a worker: a line the driver logs as it arrives, with the worker's elapsed time
+    (where a long worker is, should it run out of time)."""
+    print("PROGRESS " + text, flush=True)
+
+
 def run_worker(script: str, spec: dict, argv: Sequence[str], log) -> list[dict]:
     """Runs one worker subprocess of ``script``; returns its result rows (an error row if it
     failed). Result rows and calibration lines are logged as they arrive."""
@@ -125,6 +131,8 @@ def run_worker(script: str, spec: dict, argv: Sequence[str], log) -> list[dict]:
             tail = (tail + [line.rstrip()])[-20:]
             if line.startswith("  calibrated"):
                 log(line.rstrip())
+            elif line.startswith("PROGRESS "):
+                log(f"  [{time.perf_counter() - t0:.0f} s] {line[len('PROGRESS '):].rstrip()}")
     if proc.wait() != 0:
         rows.append({"kind": "error", **spec, "returncode": proc.returncode,
                      "output_tail": "\n".join(tail)})

@@ -182,8 +182,8 @@ def train_program(model, tokens, l1_coeff: float):
     """(call, hlo): one AdamW training step on ``tokens`` [B, T + 1], as bench_model times it
     (one jit over the split, donated model + optimizer state)."""
     optimizer = nnx.Optimizer(model, timing_optimizer(), wrt=nnx.Param)
-    step, lowered, _ = adamw_step(model, optimizer, tokens, l1_coeff)
-    return step, lambda: lowered.compile().as_text()
+    step, compiled, _, _ = adamw_step(model, optimizer, tokens, l1_coeff)
+    return step, compiled.as_text
 
 
 def decode_program(model, prompts, steps: int, context: int):
