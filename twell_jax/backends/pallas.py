@@ -112,5 +112,9 @@ def _decode(x, w_in, bias, w_up_t, w_down):
 
 
 # The cost model may route to dense: the kernels' rates are what it measures.
-BACKEND = Backend(sparse=True, cost_model_routes=True, pack=_pack, up_down=_row_up_down,
-                  row_backward=_row_backward, sparse_outer=_sparse_outer, decode=_decode)
+BACKEND = Backend(sparse=True, cost_model_routes=True,
+                  pack=jax.jit(_pack, static_argnames="config"),
+                  up_down=jax.jit(_row_up_down),
+                  row_backward=jax.jit(_row_backward),
+                  sparse_outer=jax.jit(_sparse_outer, static_argnames=("d_ff", "transposed")),
+                  decode=_decode)
