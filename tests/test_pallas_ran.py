@@ -1,5 +1,6 @@
 """Proof that implementation="pallas" runs the Pallas kernels (their names in the program)."""
 
+import collections
 import re
 
 import jax
@@ -41,6 +42,37 @@ def test_forward_and_backward_lower_the_kernels():
     # Below 8 rows the gate product runs on the GEMV kernel too.
     assert _kernel_names(decode.lower(x[:4], *weights).as_text(debug_info=True)) == {
         "twell_gemv", "twell_scan_up_down"}
+
+
+def _kernel_calls(jaxpr) -> collections.Counter:
+    """Pallas calls by name, counted once per place they run: inside nested jits and switch
+    branches too (what XLA compiles once each, after inlining the jits)."""
+    calls = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            calls[str(eqn.params["name"])] += 1
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    calls += _kernel_calls(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    calls += _kernel_calls(sub)
+    return calls
+
+
+def test_the_backward_runs_each_kernel_once_whatever_the_route():
+    """The lists' backward kernels sit before the route's switch, not in each branch: XLA
+    compiles every Triton call on its own, and a copy per branch made a 2b training step take
+    minutes to compile. The forward's up/down still has one copy per sparse branch."""
+    x, *weights = make_ffn_inputs(0, 32, 64, 256, "uniform", jnp.float32)
+    grad = jax.grad(lambda *a: jnp.sum(tj.gated_mlp(*a, implementation="pallas", config=SPARSE)),
+                    argnums=(0, 1, 2, 3))
+    calls = _kernel_calls(jax.make_jaxpr(grad)(x, *weights).jaxpr)
+    sparse_branches = 1 + len(ffn._backup_sizes(32, SPARSE))
+    assert calls == {"twell_row_pack": 1, "twell_row_up_down": sparse_branches,
+                     "twell_row_backward": 1, "twell_sparse_outer": 2,
+                     "twell_sparse_outer_add_pieces": 2}
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -215,14 +215,15 @@ class _Residuals(NamedTuple):
         return RowLists(self.gate_values, self.columns, self.row_nnz)
 
 
-def _light_lists(lists: RowLists, heavy: jax.Array, f: int, config: TwELLConfig) -> RowLists:
-    """The lists of the light rows only, entries past each row's count zeroed.
+def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig) -> RowLists:
+    """The lists of the rows not in ``skip`` [M] bool, entries past each row's count zeroed.
 
-    Heavy rows are the backup's: the sparse products skip them entirely (row_nnz 0). A light
-    row holds at most max_row_nnz entries, so the lists (and the residuals) keep only that many
-    slots; the backends leave entries past a row's count unspecified, hence the mask."""
+    Skipped rows (the heavy rows, which are the backup's, or every row of a batch that goes
+    dense) get row_nnz 0: the sparse products pass over them. A light row holds at most
+    max_row_nnz entries, so the lists (and the residuals) keep only that many slots; the
+    backends leave entries past a row's count unspecified, hence the mask."""
     light_slots = min(lists.values.shape[1], config.max_row_nnz(f))
-    row_nnz = jnp.where(heavy, 0, jnp.minimum(lists.row_nnz, light_slots))
+    row_nnz = jnp.where(skip, 0, jnp.minimum(lists.row_nnz, light_slots))
     values, columns = mask_lists(lists.values[:, :light_slots], lists.columns[:, :light_slots],
                                  row_nnz)
     return RowLists(values, columns, row_nnz)
@@ -267,12 +268,14 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     heavy = heavy_rows(counts, config, f)
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
-    gate = _light_lists(lists, heavy, f, config)
     sizes = _backup_sizes(m, config)
     overflow = num_heavy > (sizes[-1] if sizes else 0)
     dense = overflow
     if backend.cost_model_routes:
         dense = dense | _cheaper_dense(row_nnz_all, heavy, x, f, config)
+    # A batch that goes dense keeps empty lists: the backward runs the lists' kernels whatever
+    # the route (``_twell_backward``), and they must add nothing to the dense gradients.
+    gate = _light_lists(lists, heavy | dense, f, config)
 
     sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, gate)
     dense_branch = functools.partial(_dense_forward, x, weights, bias, gated, pre,
@@ -335,30 +338,33 @@ def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
 
 
 def _add_backup_grads(gated: bool, r: _Residuals, dy, l1_ct, grads, index):
-    """``grads`` plus the dense gradients of the heavy rows ``index`` [size] (padded with M)."""
+    """``grads`` (float32) plus the dense gradients of the heavy rows ``index`` [size] (padded
+    with M), in the output dtypes (``_output_grads``). dx is cast first and the backup's rows
+    added to the cast copy in place (an add into the float32 dx, a switch operand, would copy
+    it first); the lists skip heavy rows, so the rows added to are zero."""
     dx, d_weights, d_bias = grads
     valid = index < r.x.shape[0]
     rows_x = jnp.take(r.x, index, axis=0, mode="fill", fill_value=0)
     rows_dy = jnp.take(dy, index, axis=0, mode="fill", fill_value=0)
     rows_dx, rows_dw, rows_db = _dense_vjp(gated, rows_x, r.weights, r.bias, rows_dy,
                                            jnp.where(valid, l1_ct, 0.0))
-    dx_out = dx.at[index].add(rows_dx.astype(_F32), mode="drop")
-    db_out = None if r.bias is None else d_bias + rows_db.astype(_F32)
-    return dx_out, tuple(a + b.astype(_F32) for a, b in zip(d_weights, rows_dw)), db_out
+    d_weights = tuple(a + b.astype(_F32) for a, b in zip(d_weights, rows_dw))
+    d_bias = None if r.bias is None else d_bias + rows_db.astype(_F32)
+    dx, d_weights, d_bias = _output_grads(r, (dx, d_weights, d_bias))
+    return dx.at[index].add(rows_dx.astype(dx.dtype), mode="drop"), d_weights, d_bias
 
 
-def _sparse_backward(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct, index):
-    """Gradients of the sparse forward: the lists' products plus, for the heavy rows ``index``
-    [size] (None: no heavy row), the dense backup's."""
-    grads = _list_grads(backend, gated, r, dy, l1_ct)
-    return grads if index is None else _add_backup_grads(gated, r, dy, l1_ct, grads, index)
+def _output_grads(r: _Residuals, grads):
+    """Gradients (dx, d_weights, d_bias or None) cast to the dtypes of x, the weights, the bias."""
+    dx, d_weights, d_bias = grads
+    return (dx.astype(r.x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, r.weights)),
+            None if r.bias is None else d_bias.astype(r.bias.dtype))
 
 
 def _dense_backward(gated: bool, r: _Residuals, dy, l1_ct):
-    """Gradients of the all-dense forward, f32."""
-    dx, dw, db = _dense_vjp(gated, r.x, r.weights, r.bias, dy, jnp.full((r.x.shape[0],), l1_ct))
-    return (dx.astype(_F32), tuple(w.astype(_F32) for w in dw),
-            None if r.bias is None else db.astype(_F32))
+    """Gradients of the all-dense forward, in the output dtypes."""
+    return _output_grads(r, _dense_vjp(gated, r.x, r.weights, r.bias, dy,
+                                       jnp.full((r.x.shape[0],), l1_ct)))
 
 
 def _twell_backward(gated, implementation, config, residuals: _Residuals, cotangents):
@@ -366,14 +372,17 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     r = residuals
     l1_ct = stats_ct.l1.astype(_F32) / r.x.shape[0]  # d(l1)/dh = sign(h) / M
     sizes = _backup_sizes(r.x.shape[0], config)
-    sparse = functools.partial(_sparse_backward, backends.get(implementation), gated, r, dy,
-                               l1_ct)
+    # The lists' products run once, before the switch, not in each of its sparse branches:
+    # XLA compiles every Triton call on its own, so each branch's copy of the kernels cost
+    # compile time (BENCHMARKS.md, run 45). When the batch went dense the lists are empty
+    # (``_twell_forward``) and these cost a few launches. Every branch ends in the cast to the
+    # output dtypes, so none passes the float32 products through unchanged (that is a copy).
+    grads = _list_grads(backends.get(implementation), gated, r, dy, l1_ct)
+    with_backup = lambda index: (_output_grads(r, grads) if index is None else
+                                 _add_backup_grads(gated, r, dy, l1_ct, grads, index))
     branches = [functools.partial(_dense_backward, gated, r, dy, l1_ct),
-                *_backup_branches(sparse, r.heavy, sizes)]
-    dx, d_weights, d_bias = jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
-    x, weights, bias = r.x, r.weights, r.bias
-    return (dx.astype(x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, weights)),
-            None if bias is None else d_bias.astype(bias.dtype))
+                *_backup_branches(with_backup, r.heavy, sizes)]
+    return jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
 
 
 def _decode_forward(backend: Backend, x, weights, bias, gated, config):
