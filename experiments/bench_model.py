@@ -316,11 +316,12 @@ def peak_bytes() -> int | None:
 
 def compiled_bytes(compiled) -> int | None:
     """Static estimate from XLA: temporaries + arguments + outputs of a compiled function
-    (a ``Lowered`` is compiled first), less the outputs that reuse a donated argument's buffer
-    (counted once: a training step donates its whole state; counting it twice called the 1.5b
-    dense step without remat 77.2 GB, while it peaked at 58.8 GB on the H100, run 30)."""
+    (a lowered one, ``jax.jit``'s or ``nnx.jit``'s, is compiled first), less the outputs that
+    reuse a donated argument's buffer (counted once: a training step donates its whole state;
+    counting it twice called the 1.5b dense step without remat 77.2 GB, while it peaked at
+    58.8 GB on the H100, run 30)."""
     try:
-        if isinstance(compiled, jax.stages.Lowered):
+        if hasattr(compiled, "compile"):  # not compiled yet (nnx.jit's is no jax.stages.Lowered)
             compiled = compiled.compile()
         m = compiled.memory_analysis()
         return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
