@@ -19,6 +19,12 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from twell_jax import xla_flags
+
+# Before any computation: the sparse FFN's route switches run on the device, not through a
+# host round trip each (``twell_jax.xla_flags``). Worker subprocesses inherit it.
+xla_flags.use_device_conditionals()
+
 
 def flag(default, help: str, **kwargs) -> dataclasses.Field:
     """A dataclass field that ``flag_parser`` turns into ``--field-name`` (kwargs such as

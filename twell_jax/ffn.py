@@ -144,7 +144,8 @@ def _route(dense: jax.Array, num_heavy: jax.Array, sizes: tuple[int, ...]) -> ja
     Why one switch: on a GPU each data-dependent branch copies its index to the host and
     waits for it, so the device idles while the host launches the branch; one switch per
     direction instead of a dense/sparse ``cond`` around a backup ``switch`` halves those waits.
-    Each wait still costs ~110 us of GPU idle on the H100 (BENCHMARKS.md, run 50)."""
+    Each wait still costs ~110 us of GPU idle on the H100 (BENCHMARKS.md, run 50), unless XLA
+    runs the switch on the device (``twell_jax.xla_flags``: the experiment scripts do)."""
     bigger = sum((num_heavy > s).astype(jnp.int32) for s in sizes[:-1]) if sizes else 0
     sparse = jnp.where(num_heavy > 0, 2 + bigger, 1)
     return jnp.where(dense, 0, jnp.minimum(sparse, 1 + len(sizes)))
