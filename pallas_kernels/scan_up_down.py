@@ -17,8 +17,10 @@ the GPU idle and walk a row's ~28 units one dependent weight read after another.
 several slices, each program writes its partial sum and the wrapper adds the slices (a fixed
 order: the result is deterministic).
 
-Within a chunk the next active unit is found by a min-reduction over the lanes not yet
-visited, so a chunk costs one load plus one reduction per active unit. A chunk with more than
+Within a chunk the active units are ranked (a prefix count) and taken ``group`` at a time: the
+group's rows of ``w_up_t`` and ``w_down`` are gathered as [group, D] tiles, so their reads are
+in flight together. (Walking the units one at a time paid a dependent pair of ~1 us row reads
+per unit, and a decode-sized call waits for its busiest program.) A chunk with more than
 ``dense_units`` active units (heavy rows) is multiplied densely instead: its [scan_width, D]
 slabs of ``w_up_t`` and ``w_down`` in independent tile loads, not one dependent pair of row
 reads per unit (the branch is inside the kernel).
@@ -71,7 +73,8 @@ def _gate_chunk(pre_ref, bias_ref, row, col0, ok, width: int, n_parts: int, pre_
 
 
 def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: int,
-                         num_d_chunks: int, dense_units: int, tile_d: int, gated: bool,
+                         num_d_chunks: int, group: int, dense_units: int, tile_d: int,
+                         gated: bool,
                          n_parts: int, has_bias: bool, pre_dtype):
     """One program: row ``program_id(0)``, columns [s * block_f, +block_f) for s =
     ``program_id(1)``.
@@ -91,6 +94,8 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     row = pl.program_id(0)
     part = pl.program_id(1)
     d_chunks = [pl.ds(c * block_d, block_d) for c in range(num_d_chunks)]
+    d_cols = [c * block_d + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
+              for c in range(num_d_chunks)]
     lane = jax.lax.broadcasted_iota(jnp.int32, (scan_width,), 0)
     d = block_d * num_d_chunks
     if gated:
@@ -98,21 +103,28 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     for ch in d_chunks:  # dense chunks add into this program's output row as they go
         y_ref[row, part, ch] = jnp.zeros((block_d,), jnp.float32)
 
-    def unit_step(_, carry):
-        col0, gate, remaining, accs, l1 = carry
-        lane_j = jnp.min(jnp.where(remaining, lane, scan_width))
-        hit = lane == lane_j
-        h = jnp.sum(jnp.where(hit, gate, 0.0))
-        j = col0 + lane_j
+    def unit_group(r, carry):
+        """The chunk's active units of rank [r * group, +group): their rows of w_up_t and
+        w_down gathered as [group, block_d] tiles, so the group's weight reads are in flight
+        together instead of one dependent pair of row reads per unit."""
+        col0, gate, active, rank, accs, l1 = carry
+        slot = r * group + jax.lax.broadcasted_iota(jnp.int32, (group, scan_width), 0)
+        pick = active[None, :] & (rank[None, :] == slot)  # [group, scan_width]
+        valid = jnp.sum(pick.astype(jnp.int32), axis=1) > 0  # (no reduce_or in Triton)
+        j = col0 + jnp.sum(jnp.where(pick, lane[None, :], 0), axis=1)  # in range when valid
+        h = jnp.sum(jnp.where(pick, gate[None, :], 0.0), axis=1)  # 0 where not valid
+        mask = jnp.broadcast_to(valid[:, None], (group, block_d))
+        rows = lambda ref, c: plgpu.load(ref.at[j[:, None], d_cols[c]], mask=mask,
+                                         other=0).astype(jnp.float32)
         if gated:
-            # Sum the D chunks' products first: one cross-thread reduction per unit.
-            prod = x_chunks[0] * w_up_ref[j, d_chunks[0]].astype(jnp.float32)
+            # Sum the D chunks' products first: one cross-thread reduction per group.
+            prod = rows(w_up_ref, 0) * x_chunks[0][None, :]
             for c in range(1, num_d_chunks):
-                prod = prod + x_chunks[c] * w_up_ref[j, d_chunks[c]].astype(jnp.float32)
-            h = h * jnp.sum(prod)
-        accs = tuple(acc + h * w_down_ref[j, ch].astype(jnp.float32)
-                     for acc, ch in zip(accs, d_chunks))
-        return col0, gate, remaining & jnp.logical_not(hit), accs, l1 + jnp.abs(h)
+                prod = prod + rows(w_up_ref, c) * x_chunks[c][None, :]
+            h = h * jnp.sum(prod, axis=1)
+        accs = tuple(acc + jnp.sum(h[:, None] * rows(w_down_ref, c), axis=0)
+                     for c, acc in enumerate(accs))
+        return col0, gate, active, rank, accs, l1 + jnp.sum(jnp.abs(h))
 
     def chunk_step(c, carry):
         col0 = part * block_f + c * scan_width
@@ -123,7 +135,11 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         count = jnp.sum(active.astype(jnp.int32))
 
         def units(carry):
-            return jax.lax.fori_loop(0, count, unit_step, (col0, gate, active, *carry))[3:]
+            p = active.astype(jnp.int32)
+            rank = jnp.cumsum(p) - p  # active units before each lane
+            groups = (count + group - 1) // group
+            return jax.lax.fori_loop(0, groups, unit_group,
+                                     (col0, gate, active, rank, *carry))[4:]
 
         def dense(carry):
             accs, l1 = carry
@@ -171,6 +187,8 @@ class ScanUpDownConfig:
       scan_width: columns scanned at once (power of two, <= block_f).
       block_d: D chunk width (power of two); D must be a multiple of it (the caller pads).
       num_warps: Triton warps per program.
+      group: active units handled together (power of two): their weight rows are gathered
+        as [group, block_d] tiles, one group after another.
       dense_units: a scanned chunk with more active units than this is multiplied densely
         (its whole [scan_width, D] slabs of w_up_t and w_down); None: scan_width // 8.
     """
@@ -179,10 +197,11 @@ class ScanUpDownConfig:
     scan_width: int = 128
     block_d: int = 2048
     num_warps: int = 4
+    group: int = 4
     dense_units: int | None = None
 
     def __post_init__(self):
-        check_config(self, ("block_f", "scan_width", "block_d", "num_warps"))
+        check_config(self, ("block_f", "scan_width", "block_d", "num_warps", "group"))
         if self.scan_width > self.block_f:
             raise ValueError(f"scan_width={self.scan_width} must be <= block_f={self.block_f}")
         if self.dense_units is not None and (not isinstance(self.dense_units, int)
@@ -270,7 +289,7 @@ def scan_up_down(
     has_bias = parts and pre.bias is not None
     kernel = functools.partial(_scan_up_down_kernel, f=f, block_f=config.block_f,
                                scan_width=config.scan_width, block_d=config.block_d,
-                               num_d_chunks=d // config.block_d,
+                               num_d_chunks=d // config.block_d, group=config.group,
                                dense_units=config.dense_threshold(), tile_d=config.tile_d(),
                                gated=gated, n_parts=pre.sums.shape[0] if parts else 0,
                                has_bias=has_bias, pre_dtype=jnp.dtype(pre.dtype))

@@ -72,21 +72,23 @@ def test_scan_up_down_matches_numpy_and_reference(m, d, f, config, pattern, gate
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-def test_dense_chunks_equal_unit_walks(gated):
-    """Every non-empty chunk dense (threshold 0) or none (threshold = chunk width): the same
-    result, both against numpy, on rows from empty to full."""
+def test_dense_chunks_equal_unit_groups(gated):
+    """Every non-empty chunk dense (threshold 0) or none (threshold = chunk width), the units
+    taken 1, 4 or 16 at a time (a chunk holds up to 64: many groups, a last one part full):
+    the same result, against numpy, on rows from empty to full."""
     rng = np.random.default_rng(seed_of("scan_up_down_dense_chunks", gated))
     pre, x, w_up_t, w_down = make_inputs(6, 64, 300, "heavy", jnp.float32, rng)
     args = [jnp.asarray(a) for a in (pre, x, w_up_t, w_down)]
     if not gated:
         args[1] = args[2] = None
     want, want_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, gated)
-    for units in (0, 64):
+    for units, group in [(0, 4), (64, 1), (64, 4), (64, 16)]:
         config = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1,
-                                  dense_units=units)
+                                  dense_units=units, group=group)
         y, l1 = scan_up_down(*args, config=config)
-        assert_close(y, want, jnp.float32, what=f"y, dense_units={units}")
-        assert_close(l1, want_l1, jnp.float32, what=f"l1, dense_units={units}")
+        what = f"dense_units={units}, group={group}"
+        assert_close(y, want, jnp.float32, what=f"y, {what}")
+        assert_close(l1, want_l1, jnp.float32, what=f"l1, {what}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -168,6 +170,8 @@ def test_scan_up_down_rejects_bad_input():
         ScanUpDownConfig(block_f=96)
     with pytest.raises(ValueError, match="dense_units"):
         ScanUpDownConfig(dense_units=-1)
+    with pytest.raises(ValueError, match="group must be a power of two"):
+        ScanUpDownConfig(group=3)
     with pytest.raises(ValueError, match="GatePartials.sums has shape"):
         scan_up_down(GatePartials(jnp.zeros((2, 4, 128)), None, jnp.float32), x, w, w)
     with pytest.raises(ValueError, match="must be float32"):
