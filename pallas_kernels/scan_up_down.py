@@ -218,18 +218,22 @@ class ScanUpDownConfig:
 
 
 def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
-    """~700 programs (about 5 per SM of an H100) when the rows alone are fewer: F is split
-    into power-of-two slices of at least 128 columns, scanned up to 512 columns at a time;
-    8 warps at D >= 2048. D chunks as in ``row_up_down``: the widest power of two <= 2048.
+    """F split into power-of-two slices of at least 256 columns, fewer when ~700 programs
+    (about 5 per SM of an H100) need no more; scans of up to 512 columns; units in groups of 4
+    (one row, or 512-column slices) or 8; 8 warps at D >= 2048. D chunks as in
+    ``row_up_down``: the widest power of two <= 2048.
 
-    H100, D = 2048, F = 5632, ~28 active units per row, bf16 (BENCHMARKS.md, decode stage
-    table): best slices 128 columns at M = 1 and 8, 512 at M = 64; 512-column scans beat
-    128-column ones at 512-column slices; 8 warps >= 4."""
-    slices = max(1, min(-(-704 // max(m, 1)), -(-f // 128)))
-    block_f = max(128, 1 << (-(-f // slices) - 1).bit_length())
+    H100, D = 2048, F = 5632, bf16, whole decode FFN per call (BENCHMARKS.md, run 52): M = 1
+    256-column slices, groups of 4: 16.6 us (128 columns 17.6; groups of 1, 2, 8: 19.1, 18.4,
+    17.6); M = 8 256 columns, groups of 8: 20.0 us (groups of 4 20.5; 128 columns 21.2),
+    heavy-tailed rows 27.5 (4: 30.9); M = 64 512 columns, groups of 4: 33.8 us (2: 33.2, 8:
+    36.9; 256 columns 35.5), heavy-tailed 55.6 (8: 51.5)."""
+    slices = max(1, min(-(-704 // max(m, 1)), -(-f // 256)))
+    block_f = max(256, 1 << (-(-f // slices) - 1).bit_length())
     return ScanUpDownConfig(block_f=block_f, scan_width=min(block_f, 512),
                             block_d=largest_pow2_divisor(d, 2048),
-                            num_warps=max(1, min(8, d // 256)))
+                            num_warps=max(1, min(8, d // 256)),
+                            group=8 if 1 < m and block_f < 512 else 4)
 
 
 def _check_args(pre, x, w_up_t, w_down, gated: bool) -> tuple[int, int, int]:
