@@ -74,8 +74,7 @@ def _gate_chunk(pre_ref, bias_ref, row, col0, ok, width: int, n_parts: int, pre_
 
 def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: int,
                          num_d_chunks: int, group: int, dense_units: int, tile_d: int,
-                         gated: bool,
-                         n_parts: int, has_bias: bool, pre_dtype):
+                         gated: bool, n_parts: int, has_bias: bool, pre_dtype):
     """One program: row ``program_id(0)``, columns [s * block_f, +block_f) for s =
     ``program_id(1)``.
 
@@ -224,8 +223,8 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     ``row_up_down``: the widest power of two <= 2048.
 
     H100, D = 2048, F = 5632, bf16, whole decode FFN per call (BENCHMARKS.md, run 52): M = 1
-    256-column slices, groups of 4: 16.6 us (128 columns 17.6; groups of 1, 2, 8: 19.1, 18.4,
-    17.6); M = 8 256 columns, groups of 8: 20.0 us (groups of 4 20.5; 128 columns 21.2),
+    256-column slices, groups of 4: 16.6 us (groups of 8: 17.6; 128 columns, groups of 1, 2,
+    4, 8: 19.1, 18.4, 17.6, 18.5); M = 8 256 columns, groups of 8: 20.0 us (groups of 4 20.5; 128 columns 21.2),
     heavy-tailed rows 27.5 (4: 30.9); M = 64 512 columns, groups of 4: 33.8 us (2: 33.2, 8:
     36.9; 256 columns 35.5), heavy-tailed 55.6 (8: 51.5)."""
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // 256)))
