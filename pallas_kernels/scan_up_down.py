@@ -99,9 +99,6 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     d = block_d * num_d_chunks
     if gated:
         x_chunks = [x_ref[row, ch].astype(jnp.float32) for ch in d_chunks]
-    for ch in d_chunks:  # dense chunks add into this program's output row as they go
-        y_ref[row, part, ch] = jnp.zeros((block_d,), jnp.float32)
-
     def unit_group(r, carry):
         """The chunk's active units of rank [r * group, +group): their rows of w_up_t and
         w_down gathered as [group, block_d] tiles, so the group's weight reads are in flight
@@ -134,14 +131,23 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         count = jnp.sum(active.astype(jnp.int32))
 
         def units(carry):
+            *carry, seen = carry
             p = active.astype(jnp.int32)
             rank = jnp.cumsum(p) - p  # active units before each lane
             groups = (count + group - 1) // group
-            return jax.lax.fori_loop(0, groups, unit_group,
-                                     (col0, gate, active, rank, *carry))[4:]
+            return (*jax.lax.fori_loop(0, groups, unit_group,
+                                       (col0, gate, active, rank, *carry))[4:], seen)
 
         def dense(carry):
-            accs, l1 = carry
+            accs, l1, seen = carry
+
+            # Dense chunks add into this program's output row as they go: the first one zeroes
+            # it (a row without dense chunks is stored once, at the end, not zeroed and read).
+            @pl.when(seen == 0)
+            def _():
+                for ch in d_chunks:
+                    y_ref[row, part, ch] = jnp.zeros((block_d,), jnp.float32)
+
             rows = pl.ds(col0, scan_width)
             row_ok = (cols < f)[:, None]
             h = jnp.where(active, gate, 0.0)
@@ -162,7 +168,7 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
                 return 0
 
             jax.lax.fori_loop(0, d // tile_d, down_step, 0)
-            return accs, l1 + jnp.sum(jnp.abs(h))
+            return accs, l1 + jnp.sum(jnp.abs(h)), jnp.maximum(seen, 1)  # (a traced value)
 
         # A heavy chunk (many active units) is multiplied densely: independent tile loads
         # instead of one dependent pair of row reads per unit.
@@ -171,9 +177,18 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in d_chunks)
     # Only the chunks that hold columns < F (all of them but in the last slice).
     num_chunks = -(-min(block_f, f) // scan_width)
-    accs, l1 = jax.lax.fori_loop(0, num_chunks, chunk_step, (zeros, jnp.float32(0.0)))
-    for acc, ch in zip(accs, d_chunks):
-        y_ref[row, part, ch] += acc
+    accs, l1, seen = jax.lax.fori_loop(0, num_chunks, chunk_step,
+                                       (zeros, jnp.float32(0.0), jnp.int32(0)))
+
+    @pl.when(seen == 0)
+    def _():
+        for acc, ch in zip(accs, d_chunks):
+            y_ref[row, part, ch] = acc
+
+    @pl.when(seen != 0)
+    def _():
+        for acc, ch in zip(accs, d_chunks):
+            y_ref[row, part, ch] += acc
     l1_ref[row, part] = l1
 
 
