@@ -133,6 +133,38 @@ def test_scan_reads_the_gemv_partial_sums(splits, bias, gated, dtype):
     assert_close(ref, want, jnp.float32, what="reference on partial sums vs numpy")
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_dense_and_unit_chunks_mixed_in_one_program(gated):
+    """One program, two 64-column chunks: a few units then a dense chunk, a dense chunk then a
+    few units, only a few units, only dense, nothing. The first dense chunk zeroes the output
+    row and the units' sum is added after it; a row without one is stored once."""
+    rng = np.random.default_rng(seed_of("scan_up_down_mixed", gated))
+    m, d, f = 5, 64, 128
+    pre = -np.abs(rng.standard_normal((m, f)))
+    few = lambda row, col0: pre.__setitem__((row, col0 + rng.choice(64, 3, replace=False)),
+                                            rng.uniform(0.1, 1.0, 3))
+    many = lambda row, col0: pre.__setitem__((row, slice(col0, col0 + 64)),
+                                             rng.uniform(0.1, 1.0, 64))
+    few(0, 0), many(0, 64)
+    many(1, 0), few(1, 64)
+    few(2, 0), few(2, 64)
+    many(3, 0), many(3, 64)  # row 4 stays empty
+    cast = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+    x = cast(rng.standard_normal((m, d)))
+    w_up_t = cast(rng.standard_normal((f, d)) / np.sqrt(d))
+    w_down = cast(rng.standard_normal((f, d)) / np.sqrt(f))
+    args = [jnp.asarray(a) for a in (pre, x, w_up_t, w_down)]
+    if not gated:
+        args[1] = args[2] = None
+    config = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1,
+                              dense_units=8, group=2)
+    y, l1 = scan_up_down(*args, config=config)
+    want, want_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, gated)
+    assert_close(y, want, jnp.float32, what="y, mixed chunks")
+    assert_close(l1, want_l1, jnp.float32, what="l1, mixed chunks")
+    np.testing.assert_array_equal(np.asarray(y[4]), 0.0)
+
+
 def test_scan_up_down_propagates_nan():
     rng = np.random.default_rng(seed_of("scan_up_down_nan"))
     pre, x, w_up_t, w_down = make_inputs(6, 64, 256, "uniform", jnp.float32, rng)
