@@ -112,6 +112,7 @@ def row_backward(
     row_nnz: jax.Array,
     l1: jax.Array,
     *,
+    dx_dtype=jnp.float32,
     config: RowUpDownConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -122,10 +123,12 @@ def row_backward(
       gate_values: [M, K] g (gated) or h (non-gated); up_values: [M, K] float32 u, or None.
       columns: [M, K] int32; row_nnz: [M] int32 (entries past it never read).
       l1: [] float32, the L1 term's coefficient on sign(h) per entry.
+      dx_dtype: dx's dtype: its float32 row sums are rounded to it once, in the kernel (x's
+        dtype saves the FFN backward a float32 [M, D] write and a cast pass over it).
       config: ``RowUpDownConfig`` (its knobs mean the same here; block_d must divide D).
     Returns:
-      ``(dx [M, D] float32, du or dh [M, K] float32, dg [M, K] float32 or None)``, 0 past each
-      row's count.
+      ``(dx [M, D] dx_dtype, du or dh [M, K] float32, dg [M, K] float32 or None)``, 0 past
+      each row's count.
     """
     gated = w_gate_t is not None
     m, k, d = _check_args(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
@@ -138,8 +141,8 @@ def row_backward(
                                num_chunks=d // config.block_d, num_slots=k, width=width,
                                gated=gated)
     slots = jax.ShapeDtypeStruct((m, width), jnp.float32)
-    out_shape = (jax.ShapeDtypeStruct((m, d), jnp.float32),) + ((slots, slots) if gated
-                                                                 else (slots,))
+    out_shape = (jax.ShapeDtypeStruct((m, d), dx_dtype),) + ((slots, slots) if gated
+                                                             else (slots,))
     l1 = jnp.reshape(jnp.asarray(l1, jnp.float32), (1,))
     inputs = ((dy, w_down, w_up_t, w_gate_t, gate_values, up_values) if gated
               else (dy, w_down, w_up_t, gate_values))
@@ -158,7 +161,7 @@ def row_backward(
 
 
 def row_backward_reference(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
-                           row_nnz, l1):
+                           row_nnz, l1, *, dx_dtype=jnp.float32):
     """Plain-jnp :func:`row_backward` (same arguments and outputs), one slot at a time."""
     gated = w_gate_t is not None
     m, k, d = _check_args(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
@@ -185,4 +188,4 @@ def row_backward_reference(dy, w_down, w_up_t, w_gate_t, gate_values, up_values,
     zeros = jnp.zeros((m, k), jnp.float32)
     init = (jnp.zeros((m, d), jnp.float32), zeros, zeros)
     dx, d1, d2 = jax.lax.fori_loop(0, jnp.max(nnz, initial=0), step, init)
-    return dx, d1, (d2 if gated else None)
+    return dx.astype(dx_dtype), d1, (d2 if gated else None)

@@ -90,6 +90,12 @@ def test_row_backward_matches_numpy_and_reference(m, d, f, k, config, gated, dty
     tol = jnp.float32 if dtype == jnp.float32 else dtype
     assert dx.dtype == jnp.float32 and dx.shape == (m, d)
     assert_close(dx, want[0], tol, kind="kernel", what="dx")
+    # dx in the input dtype: the same float32 sums, rounded once in the kernel.
+    dx_low = row_backward(dy, w_down, w_up_t, w_gate_t, gate, up, columns, row_nnz,
+                          jnp.float32(l1), dx_dtype=dtype, config=config)[0]
+    assert dx_low.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(dx_low, np.float32),
+                                  np.asarray(dx.astype(dtype), np.float32))
     assert_close(d1, want[1], tol, kind="kernel", what="du" if gated else "dh")
     if gated:
         assert_close(d2, want[2], tol, kind="kernel", what="dg")

@@ -314,7 +314,9 @@ def _dense_vjp(gated: bool, x, weights, bias, dy, l1_ct_rows):
 
 
 def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
-    """The light rows' gradients from the lists: (dx [M, D], d_weights, d_bias or None), f32."""
+    """The light rows' gradients from the lists: (dx [M, D] x.dtype, d_weights, d_bias or
+    None) float32. The kernel rounds dx itself: a float32 dx would be written, then read by a
+    cast in the switch's branch (~70 us per 0.5b layer on the H100, BENCHMARKS.md run 49)."""
     x, weights, gate = r.x, r.weights, r.gate
     f = weights[0].shape[1]
     g = gate.values.astype(_F32)
@@ -340,10 +342,10 @@ def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
 
 
 def _add_backup_grads(gated: bool, r: _Residuals, dy, l1_ct, grads, index):
-    """``grads`` (float32) plus the dense gradients of the heavy rows ``index`` [size] (padded
-    with M), in the output dtypes (``_output_grads``). dx is cast first and the backup's rows
-    added to the cast copy in place (an add into the float32 dx, a switch operand, would copy
-    it first); the lists skip heavy rows, so the rows added to are zero."""
+    """``grads`` (dx in x.dtype, the rest float32) plus the dense gradients of the heavy rows
+    ``index`` [size] (padded with M), in the output dtypes (``_output_grads``). The backup's
+    rows are added to dx in place; the lists skip heavy rows, so the rows added to are zero
+    (the add rounds nothing)."""
     dx, d_weights, d_bias = grads
     valid = index < r.x.shape[0]
     rows_x = jnp.take(r.x, index, axis=0, mode="fill", fill_value=0)

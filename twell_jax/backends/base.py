@@ -14,8 +14,9 @@ A sparse backend (``sparse=True``) fills the four building blocks:
   up_values [M, K] float32)``: the gated up/down projection on the lists; with x and w_up_t
   None the non-gated down projection ``(y [M, D] w_down.dtype, None)``.
 - ``row_backward(dy [M, D], w_down, w_up_t, w_gate_t or None, gate: RowLists, up_values or
-  None, l1)`` -> ``(dx [M, D] float32, du or dh [M, K] float32, dg or None)``: the per-row
-  products of the backward (``pallas_kernels.row_backward`` says what they are).
+  None, l1)`` -> ``(dx [M, D] dy.dtype, du or dh [M, K] float32, dg or None)``: the per-row
+  products of the backward (``pallas_kernels.row_backward`` says what they are); dx is
+  accumulated in float32 and rounded once.
 - ``sparse_outer(values: tuple of [M, K], columns, row_nnz, b [M, D], d_ff, transposed=False)``
   -> tuple of [d_ff, D] float32 ([D, d_ff] when ``transposed``), one per values array (all
   share the pattern and b): the transposed products of the backward (dW).

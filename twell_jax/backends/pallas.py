@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gemv import FEW_ROWS as GEMV_FEW_ROWS
+from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pallas_kernels.gemv import gemv_partial_sums
 from pallas_kernels.row_backward import row_backward
 from pallas_kernels.row_pack import row_pack
@@ -86,7 +86,7 @@ def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
     pad_w = lambda w: None if w is None else _pad(w, (f, d_pad))
     dx, d1, d2 = row_backward(_pad(dy, (dy.shape[0], d_pad)), pad_w(w_down), pad_w(w_up_t),
                               pad_w(w_gate_t), gate.values, up_values, gate.columns,
-                              gate.row_nnz, l1)
+                              gate.row_nnz, l1, dx_dtype=dy.dtype)
     return dx[:, :d], d1, d2
 
 
@@ -98,9 +98,11 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff, transposed=False):
 
 
 def _decode(x, w_in, bias, w_up_t, w_down):
-    # Below 8 rows XLA's dot is ~2x slower than reading w_in at memory speed: the GEMV kernel,
-    # whose partial sums scan_up_down adds itself (no launch in between).
-    if x.shape[0] < GEMV_FEW_ROWS:
+    # The gate on the GEMV kernel, whose partial sums scan_up_down adds itself: no launch and
+    # no [M, F] write in between. Below 8 rows XLA's dot is ~2x slower than the weight read;
+    # at 8 and 64 rows the whole decode FFN is 0.7 and 1.5 us faster so than on XLA's dot
+    # (H100, BENCHMARKS.md run 58).
+    if x.shape[0] <= GEMV_MAX_ROWS:
         gate = GatePartials(gemv_partial_sums(x, w_in), bias, x.dtype)
         pre = gate.pre()  # only for the statistics: dead code unless they are used
     else:

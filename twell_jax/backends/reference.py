@@ -91,11 +91,11 @@ def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
     dh = sampled_dot(dy, w_down, columns, row_nnz)
     dh = dh + l1 * jnp.sign(h)  # entries past row_nnz: h = 0, sign 0
     if w_gate_t is None:
-        return sparse_dot(dh, columns, row_nnz, w_up_t), dh, None
+        return sparse_dot(dh, columns, row_nnz, w_up_t).astype(dy.dtype), dh, None
     du, dg = dh * g, dh * up_values
     dx = (sparse_dot(du, columns, row_nnz, w_up_t)
           + sparse_dot(dg, columns, row_nnz, w_gate_t))
-    return dx, du, dg
+    return dx.astype(dy.dtype), du, dg
 
 
 def _decode(x, w_in, bias, w_up_t, w_down):
