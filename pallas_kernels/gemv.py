@@ -46,8 +46,10 @@ from pallas_kernels.common import (check_config, finish_partial_sums, next_pow2,
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_ROWS = 64  # the x rows are one tile; more rows want a GEMM, not this kernel
-# Callers use the kernel below this many rows: at 8 rows XLA's dot is as fast (H100: 12.4 us
-# against 12.7 for F = 5632, 5.6 against 5.9 for F = 2048); at 1 row it is 2-5x slower.
+# The model's attention projections use the kernel below this many rows: at 8 rows XLA's dot
+# is as fast (H100: 12.4 us against 12.7 for F = 5632, 5.6 against 5.9 for F = 2048); at 1
+# row it is 2-5x slower. (The FFN's decode gate uses it up to MAX_ROWS: its partial sums go
+# straight into ``scan_up_down``, which saves a launch and the [M, F] write.)
 FEW_ROWS = 8
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import twell_jax as tj
-from pallas_kernels.gemv import FEW_ROWS as GEMV_FEW_ROWS
+from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from twell_jax import ffn
 from tests.utils import (PATTERNS, assert_close, dense_ffn_f32, ffn_float64,
                          make_ffn_inputs, seed_of)
@@ -79,19 +79,21 @@ def test_decode_path_matches_float64_and_the_list_path(implementation, dtype, pa
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_decode_path_with_few_rows_runs_the_gate_on_gemv(dtype, pattern, gated):
-    """Below ``gemv.FEW_ROWS`` rows the "pallas" decode path computes the gate product on the
-    GEMV kernel: against float64 and the list path, on the pattern's busiest rows (its heavy
-    or dense ones), its first row (zero or dense in those patterns) and its last."""
+def test_decode_path_runs_the_gate_on_gemv(dtype, pattern, gated):
+    """Up to ``gemv.MAX_ROWS`` rows the "pallas" decode path computes the gate product on the
+    GEMV kernel: a few rows against float64 and the list path (the pattern's busiest rows,
+    its heavy or dense ones, its first row, zero or dense in those patterns, and its last);
+    the whole M-row call runs the kernel too."""
     x, *weights = make_ffn_inputs(seed_of("decode_few", pattern, gated), M, D, F, pattern, dtype,
                                   gated=gated)
     gate = np.asarray(x, np.float64) @ np.asarray(weights[0], np.float64)
     busiest = np.argsort(-(gate > 0).sum(axis=1), kind="stable")[:3]
     rows = np.unique(np.concatenate([[0, M - 1], busiest]))
-    assert len(rows) < GEMV_FEW_ROWS
-    x = x[rows]
+    assert len(rows) < M <= GEMV_MAX_ROWS
     call = lambda config: functools.partial(_call, gated, implementation="pallas",
                                             config=config, return_stats=True)
+    assert "twell_gemv" in str(jax.make_jaxpr(lambda x: call(DECODE)(x, weights))(x))
+    x = x[rows]
     assert "twell_gemv" in str(jax.make_jaxpr(lambda x: call(DECODE)(x, weights))(x))
     y, stats = jax.jit(call(DECODE))(x, weights)
     _, stats_lists = jax.jit(call(CONFIG))(x, weights)

@@ -83,7 +83,7 @@ class TwELLConfig:
       cost_model: the measured device rates behind the ``None`` decision.
       decode_rows: calls of at most this many token rows that are not differentiated (decode
         steps, small batches) run the backend's list-free decode path when it has one
-        (``"pallas"``: the gate product, on the ``gemv`` kernel below 8 rows, then one
+        (``"pallas"``: the gate product on the ``gemv`` kernel (up to 64 rows), then one
         ``scan_up_down`` kernel that walks each row's active units; no packing, no backup, no
         device-side routing). 0 disables it.
     """
