@@ -404,3 +404,16 @@ def test_bad_inputs_raise_with_names_and_values():
         tj.gated_mlp(x, w_gate, w_up, w_down, implementation="cuda")
     with pytest.raises(TypeError, match="config must be a TwELLConfig"):
         tj.mlp(x, w_up, w_down, config={"tile_width": 32})
+
+
+def test_backward_passes_dx_through_its_switch_without_a_copy():
+    """The lists-only branch comes first in the route switch, so XLA gives the switch's
+    output dx the buffer of the kernel's dx: no branch copies it (with the dense branch first,
+    the compiled backward copied dx in the lists-only and backup branches)."""
+    x, *weights = make_ffn_inputs(9, M, D, F, "heavy_tailed", jnp.bfloat16)
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(tj.gated_mlp(
+        x, *w, implementation="reference", config=CONFIG).astype(jnp.float32)),
+        argnums=(0, 1)))
+    hlo = grad.lower(x, tuple(weights)).compile().as_text()
+    copies = [line for line in hlo.splitlines() if f"bf16[{M},{D}]" in line and " copy(" in line]
+    assert not copies, copies

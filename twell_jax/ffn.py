@@ -138,8 +138,14 @@ def _backup_sizes(m: int, config: TwELLConfig) -> tuple[int, ...]:
 
 def _route(dense: jax.Array, num_heavy: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
     """The index of the one ``lax.switch`` that runs a call (forward, and again backward):
-    0 the whole batch dense, 1 the lists alone (no heavy row), 2 + i the lists plus the dense
-    backup at ``sizes[i]``, the smallest that holds the heavy rows.
+    0 the lists alone (no heavy row), 1 + i the lists plus the dense backup at ``sizes[i]``,
+    the smallest that holds the heavy rows, ``1 + len(sizes)`` the whole batch dense.
+
+    Why the lists alone come first: XLA gives a conditional's output the buffer of its first
+    branch's result. With the lists-only branch first, the backward's dx (the kernel's output,
+    which that branch passes through and the backup branches update in place) needs no copy;
+    with the dense branch first every other branch copied it (a 67 MB copy per call at M =
+    16384, D = 2048: ~46 us on the H100, BENCHMARKS.md run 59).
 
     Why one switch: on a GPU each data-dependent branch copies its index to the host and
     waits for it, so the device idles while the host launches the branch; one switch per
@@ -147,8 +153,8 @@ def _route(dense: jax.Array, num_heavy: jax.Array, sizes: tuple[int, ...]) -> ja
     Each wait still costs ~110 us of GPU idle on the H100 (BENCHMARKS.md, run 50), unless XLA
     runs the switch on the device (``twell_jax.xla_flags``: the experiment scripts do)."""
     bigger = sum((num_heavy > s).astype(jnp.int32) for s in sizes[:-1]) if sizes else 0
-    sparse = jnp.where(num_heavy > 0, 2 + bigger, 1)
-    return jnp.where(dense, 0, jnp.minimum(sparse, 1 + len(sizes)))
+    sparse = jnp.where(num_heavy > 0, 1 + bigger, 0)
+    return jnp.where(dense, 1 + len(sizes), jnp.minimum(sparse, len(sizes)))
 
 
 def _backup_branches(run, heavy: jax.Array, sizes: tuple[int, ...]) -> list:
@@ -231,13 +237,14 @@ def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig) 
     return RowLists(values, columns, row_nnz)
 
 
-def _sparse_forward(backend: Backend, x, weights, bias, gated, gate: RowLists, index):
+def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: RowLists, index):
     """Light rows on the lists, heavy rows ``index`` [size] (None: no heavy row) through the
-    dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values [M, K] f32 or [M, 0])."""
+    dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values [M, K] f32 or [M, 0]).
+    ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route switch, where XLA can
+    share it with the backward's."""
     m = x.shape[0]
     if gated:
-        _, w_up, w_down = weights
-        y, up_values = backend.up_down(x, w_up.T, w_down, gate)
+        y, up_values = backend.up_down(x, w_up_t, weights[-1], gate)
         h = gate.values.astype(_F32) * up_values
     else:
         y, _ = backend.up_down(None, None, weights[-1], gate)
@@ -279,11 +286,12 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     # the route (``_twell_backward``), and they must add nothing to the dense gradients.
     gate = _light_lists(lists, heavy | dense, f, config)
 
-    sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, gate)
+    w_up_t = weights[1].T if gated else None
+    sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, w_up_t, gate)
     dense_branch = functools.partial(_dense_forward, x, weights, bias, gated, pre,
                                      gate.values.shape[1] if gated else 0)
     y, l1_sum, up_values = jax.lax.switch(_route(dense, num_heavy, sizes),
-                                          [dense_branch, *_backup_branches(sparse, heavy, sizes)])
+                                          [*_backup_branches(sparse, heavy, sizes), dense_branch])
     stats = FFNStats(
         nnz_mean=jnp.mean(row_nnz_all.astype(_F32)),
         nnz_p99=_p99(row_nnz_all),
@@ -384,8 +392,8 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     grads = _list_grads(backends.get(implementation), gated, r, dy, l1_ct)
     with_backup = lambda index: (_output_grads(r, grads) if index is None else
                                  _add_backup_grads(gated, r, dy, l1_ct, grads, index))
-    branches = [functools.partial(_dense_backward, gated, r, dy, l1_ct),
-                *_backup_branches(with_backup, r.heavy, sizes)]
+    branches = [*_backup_branches(with_backup, r.heavy, sizes),
+                functools.partial(_dense_backward, gated, r, dy, l1_ct)]
     return jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
 
 
