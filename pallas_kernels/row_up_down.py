@@ -53,6 +53,10 @@ def _row_up_down_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, up
         accs, ups = carry
         j = columns_ref[row, k]
         h = g_ref[row, k].astype(jnp.float32)
+        # The w_down row is loaded before the up product's reduction (which synchronises the
+        # warps), so its read overlaps the w_up row's: one memory latency per entry, not two
+        # (H100, M = 16384: 0.694 -> 0.651-0.663 ms; BENCHMARKS.md run 63).
+        w_down_row = [w_down_ref[j, ch] for ch in chunks]
         if gated:
             # Sum the chunks' products first: one cross-thread reduction per entry.
             prod = x_chunks[0] * w_up_ref[j, chunks[0]].astype(jnp.float32)
@@ -61,8 +65,7 @@ def _row_up_down_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, up
             u = jnp.sum(prod)
             ups = jnp.where(slot == k, u, ups)
             h = h * u
-        accs = tuple(acc + h * w_down_ref[j, ch].astype(jnp.float32)
-                     for acc, ch in zip(accs, chunks))
+        accs = tuple(acc + h * w.astype(jnp.float32) for acc, w in zip(accs, w_down_row))
         return accs, ups
 
     zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in chunks)

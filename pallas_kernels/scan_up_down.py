@@ -41,6 +41,10 @@ from pallas_kernels.common import (check_config, check_up_inputs, finish_partial
                                    largest_pow2_divisor, resolve_interpret)
 
 
+# Unit groups of at most this many gather their w_down rows early (``_scan_up_down_kernel``).
+EARLY_DOWN_MAX_GROUP = 4
+
+
 class GatePartials(NamedTuple):
     """The gate pre-activation still as ``gemv_partial_sums``' float32 partial sums:
     ``pre = finish_partial_sums(sums, bias, dtype)``. ``scan_up_down`` adds them itself, so
@@ -112,14 +116,20 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         mask = jnp.broadcast_to(valid[:, None], (group, block_d))
         rows = lambda ref, c: plgpu.load(ref.at[j[:, None], d_cols[c]], mask=mask,
                                          other=0).astype(jnp.float32)
+        # Groups of up to EARLY_DOWN_MAX_GROUP gather their w_down rows before the up product's
+        # reduction, so those reads overlap the w_up rows' (as in row_up_down); larger groups
+        # would hold too many rows in registers.
+        early = group <= EARLY_DOWN_MAX_GROUP
+        down = [rows(w_down_ref, c) for c in range(num_d_chunks)] if early else None
         if gated:
             # Sum the D chunks' products first: one cross-thread reduction per group.
             prod = rows(w_up_ref, 0) * x_chunks[0][None, :]
             for c in range(1, num_d_chunks):
                 prod = prod + rows(w_up_ref, c) * x_chunks[c][None, :]
             h = h * jnp.sum(prod, axis=1)
-        accs = tuple(acc + jnp.sum(h[:, None] * rows(w_down_ref, c), axis=0)
-                     for c, acc in enumerate(accs))
+        if not early:
+            down = [rows(w_down_ref, c) for c in range(num_d_chunks)]
+        accs = tuple(acc + jnp.sum(h[:, None] * w, axis=0) for acc, w in zip(accs, down))
         return col0, gate, active, rank, accs, l1 + jnp.sum(jnp.abs(h))
 
     def chunk_step(c, carry):
