@@ -387,8 +387,9 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     # The lists' products run once, before the switch, not in each of its sparse branches:
     # XLA compiles every Triton call on its own, so each branch's copy of the kernels cost
     # compile time (BENCHMARKS.md, run 45). When the batch went dense the lists are empty
-    # (``_twell_forward``) and these cost a few launches. Every branch ends in the cast to the
-    # output dtypes, so none passes the float32 products through unchanged (that is a copy).
+    # (``_twell_forward``) and these cost a few launches. Every branch ends in the cast of the
+    # float32 dW to the output dtypes; dx comes in x.dtype and passes through the lists-only
+    # branch without a copy because that branch is the switch's first (``_route``).
     grads = _list_grads(backends.get(implementation), gated, r, dy, l1_ct)
     with_backup = lambda index: (_output_grads(r, grads) if index is None else
                                  _add_backup_grads(gated, r, dy, l1_ct, grads, index))

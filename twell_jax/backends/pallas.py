@@ -100,8 +100,8 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff, transposed=False):
 def _decode(x, w_in, bias, w_up_t, w_down):
     # The gate on the GEMV kernel, whose partial sums scan_up_down adds itself: no launch and
     # no [M, F] write in between. Below 8 rows XLA's dot is ~2x slower than the weight read;
-    # at 8 and 64 rows the whole decode FFN is 0.7 and 1.5 us faster so than on XLA's dot
-    # (H100, BENCHMARKS.md run 58).
+    # at 8 and 64 rows the whole decode FFN is 0.7 and 1.5 us faster this way than with XLA's
+    # dot (H100, BENCHMARKS.md run 58).
     if x.shape[0] <= GEMV_MAX_ROWS:
         gate = GatePartials(gemv_partial_sums(x, w_in), bias, x.dtype)
         pre = gate.pre()  # only for the statistics: dead code unless they are used
