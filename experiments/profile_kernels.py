@@ -10,6 +10,12 @@ gate biases calibrated to ``--mean-nnz`` active units per token as in ``bench_mo
   batch ``--decode-batch`` after a prompt of ``--context`` minus those steps (bf16 parameters,
   no statistics, as ``bench_generate.py`` times it).
 
+and, with ``--ffn CASES`` (``bench_ffn.py`` case names), one FFN layer alone on that case's
+inputs: ``ffn_forward`` (no statistics) and ``ffn_fwd_bwd`` (all four gradients and the L1
+term, as ``bench_ffn.py --backward`` times them). Each kernel of these is named with the source
+op XLA compiled it from (``src``: e.g. a cast in the route switch's branch, a weight
+transpose), as are the model programs' with ``--hlo-dir``.
+
 It reports, per program and run: the wall time (synchronised), the time some kernel was running
 on the GPU (the union of the kernels' intervals: "busy"), the kernels' summed time and count, and
 a table of kernels by name and by kind (twell kernels, GEMMs, attention, XLA fusions, copies).
@@ -17,6 +23,7 @@ Wall minus busy is time the GPU sat idle: launches, host work, synchronisation. 
 kernel times are the GPU's own (CUPTI), so they need no on-device loop.
 
     python experiments/profile_kernels.py --presets 0.5b --out runs/profile.jsonl
+    python experiments/profile_kernels.py --presets '' --ffn m16k_uniform28 --runs 5
 
 One JSON line per program (with every kernel) goes to ``--out``; a short table is printed last.
 On a CPU there are no GPU kernels: the rows carry wall times only (used by the tests).
@@ -28,6 +35,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -39,11 +47,13 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_ffn  # noqa: E402
 import common  # noqa: E402
 from common import flag  # noqa: E402
 from bench_model import (adamw_step, calibrate, jit_over_state, last_logits,  # noqa: E402
                          timing_optimizer)
 
+import twell_jax as tj  # noqa: E402
 from twell_jax import model as model_lib  # noqa: E402
 
 
@@ -59,6 +69,8 @@ class ProfileConfig:
     decode_batch: int = flag(1, "sequences in the decode loop (0 to skip decode)")
     context: int = flag(2048, "prompt + decode steps of the decode program")
     decode_steps: int = flag(32, "decode steps per profiled loop")
+    ffn: str = flag("", "comma list of bench_ffn.py cases: one FFN layer alone, forward and "
+                        "forward + backward ('' to skip)")
     runs: int = flag(3, "profiled repetitions per program")
     top: int = flag(12, "kernels listed per program in the printed table")
     seed: int = flag(0, "seed of the weights and tokens")
@@ -154,6 +166,33 @@ def profile(fn: Callable[[], object], runs: int) -> dict:
             "kinds": kinds, "kernels": kernels, "trace_lines": lines}
 
 
+def fusion_sources(hlo: str) -> dict[str, str]:
+    """Kernel name (as the trace writes it: the HLO instruction's name, dots as underscores)
+    -> the JAX op it was compiled from (the ``op_name`` of the fusion or custom call, else of
+    the last instruction of its fused computation that has one)."""
+    bodies: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            current = line.split(" ")[0].lstrip("%")
+            bodies[current] = []
+        elif current is not None:
+            bodies[current].append(line)
+    op_name = lambda text: (m.group(1) if (m := re.search(r'op_name="([^"]+)"', text)) else None)
+    sources = {}
+    for line in hlo.splitlines():
+        if " fusion(" not in line and " custom-call(" not in line:
+            continue
+        name = line.split(" = ")[0].strip().removeprefix("ROOT ").lstrip("%")
+        source = op_name(line)
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        for body_line in reversed(bodies.get(called.group(1), []) if called else []):
+            source = source or op_name(body_line)
+        if source:
+            sources[name.replace(".", "_")] = source
+    return sources
+
+
 # ------------------------------------------------------------------------------------------
 # The programs.
 
@@ -202,9 +241,53 @@ def decode_program(model, prompts, steps: int, context: int):
             lambda: model_lib.generation_steps.lower(*args, **kwargs).compile().as_text())
 
 
+def ffn_programs(case_name: str, implementation: str, l1_coeff: float):
+    """[(program, call, hlo)]: one FFN layer on ``bench_ffn`` case ``case_name``'s inputs,
+    forward (no statistics) and forward + backward (the four gradients, the L1 term)."""
+    x, *weights = bench_ffn.make_case_inputs(bench_ffn.CASES[case_name])
+    dy = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
+    f32 = lambda a: a.astype(jnp.float32)
+
+    def loss(x, *w):
+        y, stats = tj.gated_mlp(x, *w, implementation=implementation, return_stats=True)
+        return jnp.sum(f32(y) * f32(dy)) + l1_coeff * stats.l1
+
+    forward = jax.jit(lambda x, *w: tj.gated_mlp(x, *w, implementation=implementation))
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    return [(name, lambda fn=fn: fn(x, *weights),
+             lambda fn=fn: fn.lower(x, *weights).compile().as_text())
+            for name, fn in (("ffn_forward", forward), ("ffn_fwd_bwd", fwd_bwd))]
+
+
+def _profile_row(preset: str, program: str, impl: str, call, hlo, cfg: ProfileConfig,
+                 sources: bool) -> dict:
+    """One program profiled; its kernels named with their source ops when ``sources`` or
+    ``cfg.hlo_dir`` (the HLO is compiled again for that), and the HLO kept under hlo_dir."""
+    row = {"kind": "profile", "preset": preset, "program": program, "implementation": impl,
+           "runs": cfg.runs, **profile(call, cfg.runs)}
+    if sources or cfg.hlo_dir:
+        text = hlo()
+        names = fusion_sources(text)
+        for k in row["kernels"]:
+            k["src"] = names.get(k["name"], "")
+        if cfg.hlo_dir:
+            os.makedirs(cfg.hlo_dir, exist_ok=True)
+            with open(os.path.join(cfg.hlo_dir, f"{preset}_{program}_{impl}.hlo.txt"), "w") as f:
+                f.write(text)
+    return row
+
+
 def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
     rows = []
     impls = [s for s in cfg.implementations.split(",") if s]
+    for case_name in filter(None, cfg.ffn.split(",")):
+        if case_name not in bench_ffn.CASES:
+            raise ValueError(f"unknown --ffn case {case_name!r}; have {sorted(bench_ffn.CASES)}")
+        for impl in impls:
+            for program, call, hlo in ffn_programs(case_name, impl, cfg.l1_coeff):
+                row = _profile_row(case_name, program, impl, call, hlo, cfg, sources=True)
+                emit(row)
+                rows.append(row)
     for preset in filter(None, cfg.presets.split(",")):
         mcfg = model_lib.CONFIGS[preset]
         target = cfg.mean_nnz * mcfg.d_ff / 5632
@@ -232,13 +315,7 @@ def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
             for impl in impls:
                 model = _model(preset, impl, cfg, biases, param_dtype)
                 call, hlo = make(model)
-                row = {"kind": "profile", "preset": preset, "program": program,
-                       "implementation": impl, "runs": cfg.runs, **profile(call, cfg.runs)}
-                if cfg.hlo_dir:
-                    os.makedirs(cfg.hlo_dir, exist_ok=True)
-                    with open(os.path.join(cfg.hlo_dir, f"{preset}_{program}_{impl}.hlo.txt"),
-                              "w") as f:
-                        f.write(hlo())
+                row = _profile_row(preset, program, impl, call, hlo, cfg, sources=False)
                 if program == "decode":
                     row.update(decode_batch=cfg.decode_batch, context=cfg.context,
                                decode_steps=min(cfg.decode_steps, cfg.context - 1))
@@ -259,8 +336,9 @@ def print_table(rows: list[dict], top: int) -> None:
               + ", ".join(f"{k} {v / per:.3f}" for k, v in
                           sorted(r["kinds"].items(), key=lambda kv: -kv[1])))
         for k in r["kernels"][:top]:
+            src = f"  <- {k['src'][-70:]}" if k.get("src") else ""
             print(f"  {k['ms'] / per:9.4f} ms {k['calls'] / per:6.1f}x  {k['kind']:9s} "
-                  f"{k['name'][:90]}")
+                  f"{k['name'][:60]}{src}")
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -49,3 +49,28 @@ def test_every_program_reported(prof, tmp_path, capsys):
     assert lines[0]["kind"] == "header" and len(lines) == 1 + len(rows)
     assert len(list((tmp_path / "hlo").iterdir())) == 6
     assert "tiny decode pallas (per step)" in capsys.readouterr().out
+
+
+def test_ffn_programs_reported_with_sources(prof, tmp_path):
+    """``--ffn``: one FFN layer alone, forward and forward + backward, for each implementation;
+    with no GPU the kernel tables are empty, so the source names are checked on the CPU HLO."""
+    rows = prof.main(["--presets", "", "--ffn", "smoke_uniform", "--implementations",
+                      "xla,pallas", "--runs", "1", "--out", str(tmp_path / "p.jsonl")])
+    assert {(r["preset"], r["program"], r["implementation"]) for r in rows} == {
+        ("smoke_uniform", p, i) for p in ("ffn_forward", "ffn_fwd_bwd") for i in ("xla", "pallas")}
+    assert all(r["wall_ms"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="unknown --ffn case"):
+        prof.main(["--presets", "", "--ffn", "nope", "--out", str(tmp_path / "q.jsonl")])
+
+
+def test_fusion_sources_name_the_ops(prof):
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w):
+        return jnp.tanh(x @ w).astype(jnp.bfloat16).T
+
+    hlo = jax.jit(f).lower(jnp.ones((8, 16)), jnp.ones((16, 32))).compile().as_text()
+    sources = prof.fusion_sources(hlo)
+    assert sources and all("." not in name for name in sources)
+    assert any("tanh" in s or "transpose" in s or "convert" in s for s in sources.values())
