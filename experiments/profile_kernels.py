@@ -178,16 +178,18 @@ def fusion_sources(hlo: str) -> dict[str, str]:
             bodies[current] = []
         elif current is not None:
             bodies[current].append(line)
-    op_name = lambda text: (m.group(1) if (m := re.search(r'op_name="([^"]+)"', text)) else None)
+    def op_name(text: str) -> str | None:
+        found = re.search(r'op_name="([^"]+)"', text)
+        return found.group(1) if found else None
+
     sources = {}
     for line in hlo.splitlines():
         if " fusion(" not in line and " custom-call(" not in line:
             continue
         name = line.split(" = ")[0].strip().removeprefix("ROOT ").lstrip("%")
-        source = op_name(line)
         called = re.search(r"calls=%?([\w.\-]+)", line)
-        for body_line in reversed(bodies.get(called.group(1), []) if called else []):
-            source = source or op_name(body_line)
+        body = bodies.get(called.group(1), []) if called else []
+        source = op_name(line) or next(filter(None, map(op_name, reversed(body))), None)
         if source:
             sources[name.replace(".", "_")] = source
     return sources

@@ -103,6 +103,11 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     d = block_d * num_d_chunks
     if gated:
         x_chunks = [x_ref[row, ch].astype(jnp.float32) for ch in d_chunks]
+    # Groups of up to EARLY_DOWN_MAX_GROUP gather their w_down rows before the up product's
+    # reduction, so those reads overlap the w_up rows' (as in row_up_down); larger groups
+    # would hold too many rows in registers through it (slower: BENCHMARKS.md, run 65).
+    early_down = group <= EARLY_DOWN_MAX_GROUP
+
     def unit_group(r, carry):
         """The chunk's active units of rank [r * group, +group): their rows of w_up_t and
         w_down gathered as [group, block_d] tiles, so the group's weight reads are in flight
@@ -116,19 +121,15 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         mask = jnp.broadcast_to(valid[:, None], (group, block_d))
         rows = lambda ref, c: plgpu.load(ref.at[j[:, None], d_cols[c]], mask=mask,
                                          other=0).astype(jnp.float32)
-        # Groups of up to EARLY_DOWN_MAX_GROUP gather their w_down rows before the up product's
-        # reduction, so those reads overlap the w_up rows' (as in row_up_down); larger groups
-        # would hold too many rows in registers.
-        early = group <= EARLY_DOWN_MAX_GROUP
-        down = [rows(w_down_ref, c) for c in range(num_d_chunks)] if early else None
+        down_rows = lambda: [rows(w_down_ref, c) for c in range(num_d_chunks)]
+        down = down_rows() if early_down else None
         if gated:
             # Sum the D chunks' products first: one cross-thread reduction per group.
             prod = rows(w_up_ref, 0) * x_chunks[0][None, :]
             for c in range(1, num_d_chunks):
                 prod = prod + rows(w_up_ref, c) * x_chunks[c][None, :]
             h = h * jnp.sum(prod, axis=1)
-        if not early:
-            down = [rows(w_down_ref, c) for c in range(num_d_chunks)]
+        down = down if early_down else down_rows()
         accs = tuple(acc + jnp.sum(h[:, None] * w, axis=0) for acc, w in zip(accs, down))
         return col0, gate, active, rank, accs, l1 + jnp.sum(jnp.abs(h))
 
@@ -249,9 +250,9 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
 
     H100, D = 2048, F = 5632, bf16, whole decode FFN per call (BENCHMARKS.md, run 52): M = 1
     256-column slices, groups of 4: 16.6 us (groups of 8: 17.6; 128 columns, groups of 1, 2,
-    4, 8: 19.1, 18.4, 17.6, 18.5); M = 8 256 columns, groups of 8: 20.0 us (groups of 4 20.5; 128 columns 21.2),
-    heavy-tailed rows 27.5 (4: 30.9); M = 64 512 columns, groups of 4: 33.8 us (2: 33.2, 8:
-    36.9; 256 columns 35.5), heavy-tailed 55.6 (8: 51.5)."""
+    4, 8: 19.1, 18.4, 17.6, 18.5); M = 8 256 columns, groups of 8: 20.0 us (groups of 4 20.5;
+    128 columns 21.2), heavy-tailed rows 27.5 (4: 30.9); M = 64 512 columns, groups of 4:
+    33.8 us (2: 33.2, 8: 36.9; 256 columns 35.5), heavy-tailed 55.6 (8: 51.5)."""
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // 256)))
     block_f = max(256, 1 << (-(-f // slices) - 1).bit_length())
     return ScanUpDownConfig(block_f=block_f, scan_width=min(block_f, 512),

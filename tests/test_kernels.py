@@ -109,6 +109,11 @@ def test_row_backward_matches_numpy_and_reference(m, d, f, k, config, gated, dty
     for got, expected in zip((dx, d1, d2), ref):
         if expected is not None:
             assert_close(got, expected, tol, kind="kernel", what="vs reference")
+    ref_low = row_backward_reference(dy, w_down, w_up_t, w_gate_t, clean(gate), clean(up),
+                                     jnp.where(valid, columns, 0), row_nnz, l1,
+                                     dx_dtype=dtype)[0]
+    assert ref_low.dtype == dtype
+    assert_close(dx_low, ref_low, tol, kind="kernel", what="dx in the input dtype vs reference")
 
 
 def test_row_backward_rejects_bad_input():

@@ -8,7 +8,7 @@ import pytest
 import jax.numpy as jnp
 
 from pallas_kernels.gemv import GemvConfig, gemv, gemv_partial_sums
-from pallas_kernels.scan_up_down import (GatePartials, ScanUpDownConfig,
+from pallas_kernels.scan_up_down import (EARLY_DOWN_MAX_GROUP, GatePartials, ScanUpDownConfig,
                                          default_scan_up_down_config, scan_up_down,
                                          scan_up_down_reference)
 from tests.test_row_kernels import make_pre
@@ -74,15 +74,18 @@ def test_scan_up_down_matches_numpy_and_reference(m, d, f, config, pattern, gate
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_dense_chunks_equal_unit_groups(gated):
     """Every non-empty chunk dense (threshold 0) or none (threshold = chunk width), the units
-    taken 1, 4 or 16 at a time (a chunk holds up to 64: many groups, a last one part full):
-    the same result, against numpy, on rows from empty to full."""
+    taken 1, 4 or 16 at a time (a chunk holds up to 64: many groups, a last one part full;
+    the small groups read their w_down rows early, the large one late): the same result,
+    against numpy, on rows from empty to full."""
     rng = np.random.default_rng(seed_of("scan_up_down_dense_chunks", gated))
     pre, x, w_up_t, w_down = make_inputs(6, 64, 300, "heavy", jnp.float32, rng)
     args = [jnp.asarray(a) for a in (pre, x, w_up_t, w_down)]
     if not gated:
         args[1] = args[2] = None
     want, want_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, gated)
-    for units, group in [(0, 4), (64, 1), (64, 4), (64, 16)]:
+    cases = [(0, 4), (64, 1), (64, 4), (64, 16)]
+    assert min(g for _, g in cases) <= EARLY_DOWN_MAX_GROUP < max(g for _, g in cases)
+    for units, group in cases:
         config = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1,
                                   dense_units=units, group=group)
         y, l1 = scan_up_down(*args, config=config)
