@@ -15,7 +15,8 @@ HIGHEST-precision dense reference, and reports the bytes each path saves for the
 
 For each case (shape x sparsity pattern) it checks both paths against float64 (numpy, on a sample
 of rows, heavy rows included) before timing, then times the jitted forwards: median over
-``--runs`` batches after warm-up, each batch synchronised with ``block_until_ready``. Beside the
+``--runs`` batches after warm-up, each batch ~25 ms of calls queued back to back and
+synchronised once with ``block_until_ready`` (``time_ms``; a lone call's latency beside it). Beside the
 dense ``"xla"`` path it times three plain bf16 ``nnx.Linear`` layers (a user's dense FFN), and
 the stages alone (XLA's gate GEMM, ``row_pack``, ``row_up_down``) with bytes and rates, so a
 missed target can be traced to a stage (knob sweeps: ``experiments/bench_stages.py``).
@@ -57,8 +58,8 @@ class BenchArgs:
     suite: str = flag("smoke", "smoke (CPU, tiny), paper (H100: every DESIGN.md case) or a "
                       "comma list of case names")
     runs: int = flag(50, "timed batches per measurement; the median is reported")
-    min_batch_ms: float = flag(2.0, "each timed batch repeats the call until it lasts at least "
-                               "this long")
+    min_batch_ms: float = flag(25.0, "each timed batch queues the call back to back until it "
+                               "lasts at least this long (time_ms)")
     check_rows: int = flag(512, "rows compared against the float64 reference before timing")
     backward: bool = flag(False, "time forward + backward (all four gradients) instead of the "
                           "forward alone")
@@ -205,13 +206,27 @@ def rel_error_float64(y, x, w_gate, w_up, w_down, rows: np.ndarray) -> float:
 
 
 def time_ms(fn: Callable, *args, runs: int, min_batch_ms: float) -> dict:
-    """Median (and spread) of per-call time in ms over ``runs`` synchronised batches."""
+    """Per-call time in ms of back-to-back calls, and the latency of a lone call.
+
+    ``median_ms`` (and p10 / p90): the median over ``runs`` batches, each ``calls`` calls
+    queued back to back and synchronised once, of the batch's time / ``calls``. ``calls`` makes
+    a batch last at least ``min_batch_ms``, so the host's dispatch of one call overlaps the
+    GPU's work on the one before, as a layer in a model overlaps the previous layer's. With
+    one or two calls a batch (the default before 2026-11-25) the time also held the host's
+    dispatch: ~0.7 ms for the sparse FFN at M = 16384, whose route switch XLA re-records in its
+    command buffer at every call (BENCHMARKS.md run 69). ``latency_ms``: the median time of
+    single synchronised calls, dispatch included (what a lone call makes the caller wait)."""
     jax.block_until_ready(fn(*args))  # compile
     jax.block_until_ready(fn(*args))  # warm up
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    single = (time.perf_counter() - t0) * 1e3
-    calls = max(1, int(math.ceil(min_batch_ms / max(single, 1e-3))))
+    latencies = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        latencies.append((time.perf_counter() - t0) * 1e3)
+    t0 = time.perf_counter()  # a short stream, to size the batches
+    jax.block_until_ready([fn(*args) for _ in range(4)])
+    per_call = (time.perf_counter() - t0) * 1e3 / 4
+    calls = max(1, int(math.ceil(min_batch_ms / max(per_call, 1e-3))))
     samples = []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -220,7 +235,8 @@ def time_ms(fn: Callable, *args, runs: int, min_batch_ms: float) -> dict:
             out = fn(*args)
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) * 1e3 / calls)
-    return {**common.summarize_ms(samples), "calls_per_batch": calls}
+    return {**common.summarize_ms(samples), "calls_per_batch": calls,
+            "latency_ms": float(np.median(latencies))}
 
 
 def _check_rows(m: int, heavy_mask: np.ndarray, n: int, rng) -> np.ndarray:
@@ -285,6 +301,7 @@ def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
                                                    w_down, rows)
             t = time_ms(decode_loop(fn), x, weight_sets, runs=args.runs, min_batch_ms=1.0)
             calls = DECODE_STEPS * DECODE_LAYERS
+            t.pop("latency_ms")  # of the whole loop: not a call's
             row.update({k: (v / calls if k.endswith("_ms") else v) for k, v in t.items()})
 
         _record(case, label, results, emit, measure_into,
@@ -474,16 +491,17 @@ def main(argv=None) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'case':<20} {'what':<66} {'ms':>9} {'vs xla':>7} {'rel err':>9}")
+    print(f"\n{'case':<20} {'what':<66} {'ms':>9} {'vs xla':>7} {'rel err':>9} {'lone call':>9}")
     for r in rows:
         ms = f"{r['median_ms']:.3f}" if "median_ms" in r else "ERROR"
+        lone = f"{r['latency_ms']:.3f}" if "latency_ms" in r else ""
         ratio = f"{r['speedup_vs_xla']:.2f}x" if "speedup_vs_xla" in r else ""
         errs = [v for k, v in r.items() if k.startswith("rel_err")]
         err = f"{max(errs):.2e}" if errs else ""
         extra = f" {r['TB_per_s']:.2f} TB/s" if "TB_per_s" in r else ""
         if "residual_bytes" in r:
             extra += f" residuals {r['residual_bytes'] / 2**20:.1f} MiB"
-        print(f"{r['case']:<20} {r['label'][:66]:<66} {ms:>9} {ratio:>7} {err:>9}{extra}"
+        print(f"{r['case']:<20} {r['label'][:66]:<66} {ms:>9} {ratio:>7} {err:>9} {lone:>9}{extra}"
               + (f"  {r['error'][:80]}" if "error" in r else ""))
 
 
