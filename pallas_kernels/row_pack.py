@@ -10,11 +10,18 @@ A row whose total exceeds K, or whose count in some tile exceeds the TwELL slot 
 It reads XLA's bf16 GEMM output directly (the ReLU is applied here), so the gate stage is one
 GEMM plus one read of its output. A gate bias belongs in that GEMM (``dense.
 gate_pre_activation`` folds it in before rounding, which keeps the low bits of gates whose bias
-cancels most of x @ w), so there is none here. One program per ``block_m`` rows loops
-over column chunks of ``chunk`` columns (several tiles at once: fewer dependent steps per
-program than one tile at a time), ranking the positive lanes with a prefix count and writing
-them with one masked scatter per chunk. Disabled lanes are sent to index K (out of range) so
-they never alias a real write (interpret mode applies masked scatters to every lane).
+cancels most of x @ w), so there is none here.
+
+One program per row loops over chunks of a few tiles. A chunk's positive lanes become bit masks,
+one word per 32 columns (``word_bits``); popcounts give each word's first list slot, and each
+round of a short loop lists the lowest set bit of every word (its column, its value read back
+from ``pre``) until no word has bits left that fit the list. The stores are of one lane per word
+instead of one per column: a mask per column lane stored each chunk's values and columns with
+16 predicated stores a thread, which took half the kernel's time (0.186 ms against 0.089 ms,
+BENCHMARKS.md run 73). A row at ~0.5% density takes one or two rounds a chunk; a dense one at
+most ``word_bits`` a chunk, and only until its list is full. Disabled lanes are sent to index K
+(out of range) so they never alias a real write (interpret mode applies masked scatters to
+every lane).
 """
 
 from __future__ import annotations
@@ -30,36 +37,60 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_config, check_dense_tiles, resolve_interpret
 
 
-def _row_pack_kernel(pre_ref, values_ref, columns_ref, counts_ref, total_ref, *, block_m: int,
-                     chunk: int, num_chunks: int, tile_width: int, num_slots: int):
-    """One program: rows [i * block_m, +block_m), all columns in ``num_chunks`` steps.
+def _row_pack_kernel(pre_ref, values_ref, columns_ref, counts_ref, total_ref, *,
+                     tiles_per_chunk: int, num_chunks: int, word_bits: int, num_slots: int):
+    """One program: row ``program_id``, all its tiles in ``num_chunks`` steps.
 
-    Refs: pre [M, F]; outputs values [M, K], columns [M, K] int32, counts [M, F / T] int32,
-    row_total [M] int32.
+    Refs: pre [M, n_tiles, words_per_tile, word_bits] (the [M, F] pre-activation, reshaped);
+    outputs values [M, K], columns [M, K] int32, counts [M, n_tiles] int32, row_total [M] int32.
     """
-    row0 = pl.multiple_of(pl.program_id(0) * block_m, block_m)
-    rows = pl.ds(row0, block_m)
-    shape = (block_m, chunk)
-    lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    row_index = row0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-    tiles_per_chunk = chunk // tile_width
+    row = pl.program_id(0)
+    words_per_tile = pre_ref.shape[2]
+    tile_width = words_per_tile * word_bits
+    words_shape = (tiles_per_chunk, words_per_tile)
+    bit = jax.lax.broadcasted_iota(jnp.int32, (*words_shape, word_bits), 2)
+    tile_in_chunk = jax.lax.broadcasted_iota(jnp.int32, words_shape, 0)
+    word = jax.lax.broadcasted_iota(jnp.int32, words_shape, 1)
+    row_index = jnp.full(words_shape, row, jnp.int32)
 
     def chunk_step(c, length):
-        col0 = pl.multiple_of(c * chunk, chunk)
-        gate = pre_ref[rows, pl.ds(col0, chunk)].astype(jnp.float32)
+        tile0 = c * tiles_per_chunk
+        gate = pre_ref[row, pl.ds(tile0, tiles_per_chunk), :, :].astype(jnp.float32)
         positive = jnp.logical_not(gate <= 0.0)  # > 0 or NaN
-        p = positive.astype(jnp.int32)
-        rank = length[:, None] + jnp.cumsum(p, axis=1) - p
-        keep = positive & (rank < num_slots)
-        dest = jnp.where(keep, rank, num_slots)
-        plgpu.store(values_ref.at[row_index, dest], gate.astype(values_ref.dtype), mask=keep)
-        plgpu.store(columns_ref.at[row_index, dest], col0 + lane, mask=keep)
-        tile_counts = p.reshape(block_m, tiles_per_chunk, tile_width).sum(axis=2)
-        counts_ref[rows, pl.ds(c * tiles_per_chunk, tiles_per_chunk)] = tile_counts
-        return length + p.sum(axis=1)
+        # Distinct powers of two: their sum is their bitwise or (bit 31 wraps to the sign).
+        masks = jnp.sum(jnp.where(positive, jnp.left_shift(1, bit), 0), axis=2)
+        word_counts = jax.lax.population_count(masks)
+        tile_counts = jnp.sum(word_counts, axis=1)
+        counts_ref[row, pl.ds(tile0, tiles_per_chunk)] = tile_counts
+        # Each word's first slot: the entries of the row before it (exclusive prefix sums).
+        tile_start = jnp.cumsum(tile_counts) - tile_counts
+        slot = length + tile_start[:, None] + jnp.cumsum(word_counts, axis=1) - word_counts
+        tile = tile0 + tile_in_chunk
 
-    total_ref[rows] = jax.lax.fori_loop(0, num_chunks, chunk_step,
-                                        jnp.zeros((block_m,), jnp.int32))
+        def more(state):
+            masks, slot = state
+            listable = ((masks != 0) & (slot < num_slots)).astype(jnp.int32)
+            # One axis at a time: Pallas' Triton lowering of a 2-D -> scalar max fails
+            # under an explicit abstract mesh (jax 0.11.2; tests/test_lowering.py).
+            return jnp.max(jnp.max(listable, axis=1)) > 0
+
+        def list_lowest_bits(state):
+            masks, slot = state
+            lowest = masks & (-masks)
+            keep = (masks != 0) & (slot < num_slots)
+            position = jnp.where(keep, 31 - jax.lax.clz(lowest), 0)
+            value = plgpu.load(pre_ref.at[row_index, tile, word, position], mask=keep)
+            dest = jnp.where(keep, slot, num_slots)
+            plgpu.store(values_ref.at[row_index, dest], value.astype(values_ref.dtype),
+                        mask=keep)
+            plgpu.store(columns_ref.at[row_index, dest],
+                        tile * tile_width + word * word_bits + position, mask=keep)
+            return masks ^ lowest, slot + (masks != 0).astype(jnp.int32)
+
+        jax.lax.while_loop(more, list_lowest_bits, (masks, slot))
+        return length + jnp.sum(tile_counts)
+
+    total_ref[row] = jax.lax.fori_loop(0, num_chunks, chunk_step, jnp.int32(0))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,33 +98,31 @@ class RowPackConfig:
     """Knobs of :func:`row_pack`.
 
     Attributes:
-      block_m: rows per program (power of two).
-      chunk: columns per step (a power-of-two multiple of the tile width dividing F).
+      tiles_per_chunk: tiles per step (power of two dividing the number of tiles).
       num_warps: Triton warps per program.
       num_stages: Triton pipelining stages of the chunk loop.
     """
 
-    block_m: int = 1
-    chunk: int = 512
+    tiles_per_chunk: int = 4
     num_warps: int = 1
     num_stages: int = 2
 
     def __post_init__(self):
-        check_config(self, ("block_m", "chunk", "num_warps"))
+        check_config(self, ("tiles_per_chunk", "num_warps"))
 
 
 def default_row_pack_config(m: int, f: int, tile_width: int) -> RowPackConfig:
-    """One row per program and one warp, the widest chunk (<= 512 columns) dividing F.
+    """One warp, chunks of up to 512 columns (the most tiles, a power of two, dividing F / T).
 
-    H100, M = 16384, F = 5632 (184 MB of bf16 pre-activations): 1 row / 512 columns / 1 warp
-    0.224 ms; 1 row 2 warps 0.295; 2 rows 2 warps 0.296; 4 rows 4 warps 0.302; 8 rows 0.287;
-    16 rows x 128 columns 0.432 (BENCHMARKS.md compares it with the kernel it replaced).
-    D = 4096, F = 14336: 0.577 against 0.67-1.0 for the others."""
+    H100, M = 16384, F = 5632 (184 MB of bf16 pre-activations, run 73): 4 tiles of 128, 1 warp
+    0.089 ms (2.1 TB/s; reading alone 0.065 ms); 3 stages 0.088; 2 tiles 0.103; 2 warps
+    0.165; 4 warps 0.250."""
     del m
-    chunk = tile_width
-    while chunk < 512 and f % (2 * chunk) == 0:
-        chunk *= 2
-    return RowPackConfig(block_m=1, chunk=chunk, num_warps=1)
+    n_tiles = f // tile_width
+    tiles = 1
+    while 2 * tiles * tile_width <= 512 and n_tiles % (2 * tiles) == 0:
+        tiles *= 2
+    return RowPackConfig(tiles_per_chunk=tiles, num_warps=1)
 
 
 def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
@@ -104,7 +133,7 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
       pre: [M, F] gate pre-activation (bf16 or f32); F % tile_width == 0 (the caller pads).
       tile_width: T, the TwELL tile width (counts are per T columns).
       num_slots: K, list entries kept per row.
-      config: ``default_row_pack_config`` when None; chunk must divide F, block_m must divide M.
+      config: ``default_row_pack_config`` when None; tiles_per_chunk must divide F / T.
     Returns:
       values [M, K] pre.dtype, columns [M, K] int32 (valid for k < min(row_total, K), column
       order), counts [M, F / T] int32, row_total [M] int32.
@@ -113,28 +142,28 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
     if not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
     config = default_row_pack_config(m, f, tile_width) if config is None else config
-    if config.chunk % tile_width or f % config.chunk:
-        raise ValueError(f"chunk={config.chunk} must be a multiple of tile_width={tile_width} "
-                         f"dividing F={f}")
-    if m % config.block_m:
-        raise ValueError(f"M={m} is not a multiple of block_m={config.block_m}")
+    n_tiles = f // tile_width
+    if n_tiles % config.tiles_per_chunk:
+        raise ValueError(f"tiles_per_chunk={config.tiles_per_chunk} must divide the "
+                         f"{n_tiles} tiles of F={f}")
+    word_bits = min(32, tile_width)
     kernel = functools.partial(
-        _row_pack_kernel, block_m=config.block_m, chunk=config.chunk,
-        num_chunks=f // config.chunk, tile_width=tile_width, num_slots=num_slots)
+        _row_pack_kernel, tiles_per_chunk=config.tiles_per_chunk,
+        num_chunks=n_tiles // config.tiles_per_chunk, word_bits=word_bits, num_slots=num_slots)
     return pl.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((m, num_slots), pre.dtype),
             jax.ShapeDtypeStruct((m, num_slots), jnp.int32),
-            jax.ShapeDtypeStruct((m, f // tile_width), jnp.int32),
+            jax.ShapeDtypeStruct((m, n_tiles), jnp.int32),
             jax.ShapeDtypeStruct((m,), jnp.int32),
         ),
-        grid=(m // config.block_m,),
+        grid=(m,),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=resolve_interpret(interpret),
         name="twell_row_pack",
-    )(pre)
+    )(pre.reshape(m, n_tiles, tile_width // word_bits, word_bits))  # free: a view
 
 
 def row_pack_reference(pre: jax.Array, *, tile_width: int, num_slots: int):

@@ -30,6 +30,8 @@ def make_pre(m: int, f: int, pattern: str, dtype, rng) -> np.ndarray:
     pre[1] = -np.abs(pre[1]) - 0.1  # all-zero row
     pre[2] = np.abs(pre[2]) + 0.1  # dense row
     pre[3, f // 3] = np.nan
+    pre[4] = -1.0  # only the top bit of some 32-bit masks (their sign bit)
+    pre[4, 31::32] = 0.5
     return np.asarray(jnp.asarray(pre, dtype).astype(jnp.float32))
 
 
@@ -50,9 +52,10 @@ def numpy_pack(pre: np.ndarray, tile_width: int, num_slots: int):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pattern", ["uniform", "heavy"])
 @pytest.mark.parametrize("m,f,t,k,config", [
-    (6, 256, 64, 12, RowPackConfig(block_m=1, chunk=128, num_warps=1)),
-    (16, 384, 128, 20, None),  # 3 chunks of 128
-    (12, 512, 32, 7, RowPackConfig(block_m=4, chunk=256, num_warps=2, num_stages=1)),
+    (6, 256, 64, 12, RowPackConfig(tiles_per_chunk=2, num_warps=1)),
+    (16, 384, 128, 20, None),  # 3 chunks of one tile
+    (12, 512, 32, 7, RowPackConfig(tiles_per_chunk=8, num_warps=2, num_stages=1)),
+    (5, 128, 16, 9, None),  # 16-bit masks
 ])
 def test_row_pack_matches_numpy_and_reference(m, f, t, k, config, pattern, dtype):
     rng = np.random.default_rng(seed_of("row_pack", m, f, t, k, pattern, str(dtype)))
@@ -88,14 +91,12 @@ def test_row_pack_rejects_bad_input():
     pre = jnp.zeros((4, 256), jnp.float32)
     with pytest.raises(ValueError, match="tile_width"):
         row_pack(pre, tile_width=96, num_slots=4)
-    with pytest.raises(ValueError, match="chunk"):
-        row_pack(pre, tile_width=128, num_slots=4, config=RowPackConfig(chunk=512))
-    with pytest.raises(ValueError, match="block_m"):
-        row_pack(pre, tile_width=64, num_slots=4, config=RowPackConfig(block_m=8, chunk=64))
+    with pytest.raises(ValueError, match="tiles_per_chunk"):
+        row_pack(pre, tile_width=128, num_slots=4, config=RowPackConfig(tiles_per_chunk=4))
     with pytest.raises(ValueError, match="num_slots"):
         row_pack(pre, tile_width=64, num_slots=0)
     with pytest.raises(ValueError, match="power of two"):
-        RowPackConfig(chunk=96)
+        RowPackConfig(tiles_per_chunk=3)
 
 
 # --------------------------------------------------------------------------------------------
