@@ -11,15 +11,16 @@ On the H100 (the numbers in BENCHMARKS.md):
 
 With ``--backward`` each case times forward + backward instead (all four gradients against a
 random cotangent, dense XLA and the sparse path), checks every gradient against a float32
-HIGHEST-precision dense reference, and reports the bytes each path saves for the backward (``saved_residuals``; inputs excluded).
+HIGHEST-precision dense reference, and reports the bytes each path saves for the backward
+(``saved_residuals``; inputs excluded).
 
 For each case (shape x sparsity pattern) it checks both paths against float64 (numpy, on a sample
 of rows, heavy rows included) before timing, then times the jitted forwards: median over
 ``--runs`` batches after warm-up, each batch ~25 ms of calls queued back to back and
-synchronised once with ``block_until_ready`` (``time_ms``; a lone call's latency beside it). Beside the
-dense ``"xla"`` path it times three plain bf16 ``nnx.Linear`` layers (a user's dense FFN), and
-the stages alone (XLA's gate GEMM, ``row_pack``, ``row_up_down``) with bytes and rates, so a
-missed target can be traced to a stage (knob sweeps: ``experiments/bench_stages.py``).
+synchronised once with ``block_until_ready`` (``time_ms``; a lone call's latency beside it).
+Beside the dense ``"xla"`` path it times three plain bf16 ``nnx.Linear`` layers (a user's dense
+FFN), and the stages alone (XLA's gate GEMM, ``row_pack``, ``row_up_down``) with bytes and
+rates, so a missed target can be traced to a stage (knob sweeps: ``experiments/bench_stages.py``).
 Decode sizes (M <= ``decode_rows``, forward only) are timed per call inside an on-device loop
 over 4 layers' weights (``decode_loop``): one call from Python would time the host's dispatch.
 Sparsity statistics per case: mean / p99 / max active units per token, fraction of (row, tile)

@@ -9,8 +9,15 @@ dy the output cotangent and ``l1`` the cotangent of the L1 statistic's per-entry
 
 Outputs dx [M, D] and the per-entry gradients (du, dg) [M, K] float32 (gated) or dh (non-gated),
 which the transposed products (dW) and the bias gradient consume. All weights are feature-major
-[F, D], so each entry reads three (gated) or two contiguous D-rows. The same decomposition as
-``row_up_down``: the dy row and the fp32 dx row stay in registers, one reduction per entry.
+[F, D], so each entry reads three (gated) or two contiguous D-rows.
+
+Two kernels, one program per row each: the first computes the per-entry gradients from the dy
+row and the ``w_down`` rows, the second sums the ``w_up_t`` (and ``w_gate_t``) rows scaled by
+them into dx. One kernel doing both read from all three weight matrices at once: at D = 2048,
+F = 5632 that is 69 MB, more than the H100's 50 MB L2, against 23 and 46 MB for the two
+kernels apart: 1.20 ms against 0.33 + 0.52 ms at M = 16384 (BENCHMARKS.md run 77). The
+entries' gradients travel between them as [M, K] float32 arrays, which the function returns
+anyway. The arithmetic and its order are the one kernel's: the results are the same bits.
 """
 
 from __future__ import annotations
@@ -26,17 +33,15 @@ from pallas_kernels.common import next_pow2, resolve_interpret
 from pallas_kernels.row_up_down import RowUpDownConfig, default_row_up_down_config
 
 
-def _row_backward_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, width: int,
-                         gated: bool):
-    """One program: row ``program_id(0)``. Refs: dy [M, D], w_down [F, D], w_up_t [F, D],
-    [w_gate_t [F, D]], gate_values [M, K], [up [M, K]], columns [M, K], row_nnz [M],
-    l1 [1] float32; outputs dx [M, D], d1 [M, width], [d2 [M, width]] (gated only)."""
+def _entry_grads_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, width: int,
+                        gated: bool):
+    """One program: row ``program_id(0)``, the per-entry gradients. Refs: dy [M, D],
+    w_down [F, D], gate_values [M, K], [up [M, K]], columns [M, K], row_nnz [M], l1 [1]
+    float32; outputs d1 [M, width] (du, or dh non-gated), [d2 [M, width]] (dg, gated only)."""
     if gated:
-        (dy_ref, w_down_ref, w_up_ref, w_gate_ref, g_ref, u_ref, columns_ref, nnz_ref, l1_ref,
-         dx_ref, d1_ref, d2_ref) = refs
+        dy_ref, w_down_ref, g_ref, u_ref, columns_ref, nnz_ref, l1_ref, d1_ref, d2_ref = refs
     else:
-        (dy_ref, w_down_ref, w_up_ref, g_ref, columns_ref, nnz_ref, l1_ref, dx_ref,
-         d1_ref) = refs
+        dy_ref, w_down_ref, g_ref, columns_ref, nnz_ref, l1_ref, d1_ref = refs
     row = pl.program_id(0)
     nnz = jnp.clip(nnz_ref[row], 0, num_slots)
     chunks = [pl.ds(c * block_d, block_d) for c in range(num_chunks)]
@@ -45,7 +50,7 @@ def _row_backward_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, w
     l1 = l1_ref[0]
 
     def step(k, carry):
-        accs, d1, d2 = carry
+        d1, d2 = carry
         j = columns_ref[row, k]
         g = g_ref[row, k].astype(jnp.float32)
         prod = dy_chunks[0] * w_down_ref[j, chunks[0]].astype(jnp.float32)
@@ -55,27 +60,43 @@ def _row_backward_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, w
         if gated:
             u = u_ref[row, k]
             dh = dh + l1 * jnp.sign(g * u)
-            du, dg = dh * g, dh * u
-            d1 = jnp.where(slot == k, du, d1)
-            d2 = jnp.where(slot == k, dg, d2)
-            accs = tuple(acc + du * w_up_ref[j, ch].astype(jnp.float32)
-                         + dg * w_gate_ref[j, ch].astype(jnp.float32)
-                         for acc, ch in zip(accs, chunks))
-        else:
-            dh = dh + l1 * jnp.sign(g)
-            d1 = jnp.where(slot == k, dh, d1)
-            accs = tuple(acc + dh * w_up_ref[j, ch].astype(jnp.float32)
-                         for acc, ch in zip(accs, chunks))
-        return accs, d1, d2
+            return jnp.where(slot == k, dh * g, d1), jnp.where(slot == k, dh * u, d2)
+        return jnp.where(slot == k, dh + l1 * jnp.sign(g), d1), d2
 
-    zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in chunks)
     zero_slots = jnp.zeros((width,), jnp.float32)
-    accs, d1, d2 = jax.lax.fori_loop(0, nnz, step, (zeros, zero_slots, zero_slots))
-    for acc, ch in zip(accs, chunks):
-        dx_ref[row, ch] = acc.astype(dx_ref.dtype)
+    d1, d2 = jax.lax.fori_loop(0, nnz, step, (zero_slots, zero_slots))
     d1_ref[row, :] = d1  # 0 past row_nnz
     if gated:
         d2_ref[row, :] = d2
+
+
+def _dx_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, gated: bool):
+    """One program: row ``program_id(0)``, dx from the entries' gradients. Refs: w_up_t
+    [F, D], [w_gate_t [F, D]], d1 [M, width], [d2 [M, width]], columns [M, K], row_nnz [M];
+    output dx [M, D]."""
+    if gated:
+        w_up_ref, w_gate_ref, d1_ref, d2_ref, columns_ref, nnz_ref, dx_ref = refs
+    else:
+        w_up_ref, d1_ref, columns_ref, nnz_ref, dx_ref = refs
+    row = pl.program_id(0)
+    nnz = jnp.clip(nnz_ref[row], 0, num_slots)
+    chunks = [pl.ds(c * block_d, block_d) for c in range(num_chunks)]
+
+    def step(k, accs):
+        j = columns_ref[row, k]
+        d1 = d1_ref[row, k]
+        if gated:
+            d2 = d2_ref[row, k]
+            return tuple(acc + d1 * w_up_ref[j, ch].astype(jnp.float32)
+                         + d2 * w_gate_ref[j, ch].astype(jnp.float32)
+                         for acc, ch in zip(accs, chunks))
+        return tuple(acc + d1 * w_up_ref[j, ch].astype(jnp.float32)
+                     for acc, ch in zip(accs, chunks))
+
+    zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in chunks)
+    accs = jax.lax.fori_loop(0, nnz, step, zeros)
+    for acc, ch in zip(accs, chunks):
+        dx_ref[row, ch] = acc.astype(dx_ref.dtype)
 
 
 def _check_args(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns, row_nnz):
@@ -137,27 +158,27 @@ def row_backward(
     if d % config.block_d:
         raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
     width = next_pow2(max(k, 1))
-    kernel = functools.partial(_row_backward_kernel, block_d=config.block_d,
-                               num_chunks=d // config.block_d, num_slots=k, width=width,
-                               gated=gated)
+    sizes = dict(block_d=config.block_d, num_chunks=d // config.block_d, num_slots=k,
+                 gated=gated)
+    params = dict(grid=(m,), interpret=resolve_interpret(interpret),
+                  compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                                       num_stages=config.num_stages))
     slots = jax.ShapeDtypeStruct((m, width), jnp.float32)
-    out_shape = (jax.ShapeDtypeStruct((m, d), dx_dtype),) + ((slots, slots) if gated
-                                                             else (slots,))
     l1 = jnp.reshape(jnp.asarray(l1, jnp.float32), (1,))
-    inputs = ((dy, w_down, w_up_t, w_gate_t, gate_values, up_values) if gated
-              else (dy, w_down, w_up_t, gate_values))
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(m,),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
-        interpret=resolve_interpret(interpret),
-        name="twell_row_backward",
-    )(*inputs, columns, row_nnz, l1)
+    grads = pl.pallas_call(
+        functools.partial(_entry_grads_kernel, width=width, **sizes),
+        out_shape=(slots, slots) if gated else (slots,),
+        name="twell_row_backward", **params,
+    )(*((dy, w_down, gate_values, up_values) if gated else (dy, w_down, gate_values)),
+      columns, row_nnz, l1)
+    dx = pl.pallas_call(
+        functools.partial(_dx_kernel, **sizes),
+        out_shape=jax.ShapeDtypeStruct((m, d), dx_dtype),
+        name="twell_row_backward_dx", **params,
+    )(*((w_up_t, w_gate_t) if gated else (w_up_t,)), *grads, columns, row_nnz)
     if gated:
-        return outs[0], outs[1][:, :k], outs[2][:, :k]
-    return outs[0], outs[1][:, :k], None
+        return dx, grads[0][:, :k], grads[1][:, :k]
+    return dx, grads[0][:, :k], None
 
 
 def row_backward_reference(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,

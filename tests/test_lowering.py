@@ -115,7 +115,7 @@ def test_row_backward_lowers(gated):
     fn = lambda *a: row_backward(*[None if i in static else a[i - sum(s < i for s in static)]
                                    for i in range(len(args))], 0.5, interpret=False)
     module = export_for_cuda(fn, *[a for a in args if a is not None])
-    assert "twell_row_backward" in module
+    assert "twell_row_backward" in module and "twell_row_backward_dx" in module
 
 
 @pytest.mark.parametrize("n_values", [1, 2])

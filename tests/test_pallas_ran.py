@@ -70,7 +70,7 @@ def test_the_backward_runs_each_kernel_once_whatever_the_route():
     calls = _kernel_calls(jax.make_jaxpr(grad)(x, *weights).jaxpr)
     sparse_branches = 1 + len(ffn._backup_sizes(32, SPARSE))
     assert calls == {"twell_row_pack": 1, "twell_row_up_down": sparse_branches,
-                     "twell_row_backward": 1, "twell_sparse_outer": 2,
+                     "twell_row_backward": 1, "twell_row_backward_dx": 1, "twell_sparse_outer": 2,
                      "twell_sparse_outer_add_pieces": 2}
 
 
