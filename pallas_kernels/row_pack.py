@@ -15,9 +15,9 @@ cancels most of x @ w), so there is none here.
 One program per row loops over chunks of a few tiles. A chunk's positive lanes become bit masks,
 one word per 32 columns (``word_bits``); popcounts give each word's first list slot, and each
 round of a short loop lists the lowest set bit of every word (its column, its value read back
-from ``pre``) until no word has bits left that fit the list. The stores are of one lane per word
-instead of one per column: a mask per column lane stored each chunk's values and columns with
-16 predicated stores a thread, which took half the kernel's time (0.186 ms against 0.089 ms,
+from ``pre``) until no word has bits left that fit the list. So a chunk stores one lane per
+word, not one per column: storing a lane per column (16 predicated stores a thread a chunk,
+with ~2.5 positive columns in 512) took half the kernel's time (0.186 ms against 0.089 ms,
 BENCHMARKS.md runs 71-72). A row at ~0.5% density takes one or two rounds a chunk; a dense one at
 most ``word_bits`` a chunk, and only until its list is full. Disabled lanes are sent to index K
 (out of range) so they never alias a real write (interpret mode applies masked scatters to
