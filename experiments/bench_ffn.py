@@ -73,9 +73,34 @@ class Case:
     m: int
     d: int
     f: int
-    pattern: str  # uniform | heavy_tailed (row skew) | hot_units (column skew)
+    # uniform | heavy_tailed (row skew) | hot_units (column skew) | trained (rows' counts drawn
+    # from TRAINED_NNZ, scaled to F)
+    pattern: str
     nnz_target: float  # mean active units per token
     p99_target: float | None = None  # heavy-tailed only
+
+
+# The per-token active-unit histograms of our trained 100m model (L1 3e-4, 2200 steps, held-out
+# tokens, every layer; RESULTS.md), F = 2560: the "trained" pattern's rows.
+TRAINED_NNZ = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
+                           "lm_100m_2200steps", "100m-xla-l1_3e-4", "nnz_distribution.json")
+
+
+def trained_histogram(path: str = TRAINED_NNZ) -> tuple[np.ndarray, int]:
+    """(tokens per active-unit count [n + 1], pooled over the layers; the model's F)."""
+    with open(path) as file:
+        dist = json.load(file)
+    hists = [np.asarray(layer["histogram"], np.float64) for layer in dist["layers"]]
+    pooled = np.zeros(max(len(h) for h in hists))
+    for h in hists:
+        pooled[: len(h)] += h
+    return pooled, int(dist["d_ff"])
+
+
+def trained_mean(f: int) -> float:
+    """The trained model's mean active units per token, scaled to F = ``f``."""
+    hist, d_ff = trained_histogram()
+    return float((hist * np.arange(len(hist))).sum() / hist.sum() * f / d_ff)
 
 
 CASES = {
@@ -83,12 +108,15 @@ CASES = {
     for c in [
         Case("smoke_uniform", 256, 256, 1024, "uniform", 8.0),
         Case("smoke_heavy", 256, 256, 1024, "heavy_tailed", 12.0, 100.0),
+        Case("smoke_trained", 256, 256, 1024, "trained", trained_mean(1024)),
         Case("m16k_uniform28", 16384, 2048, 5632, "uniform", 28.0),
         Case("m16k_uniform2pct", 16384, 2048, 5632, "uniform", 0.02 * 5632),
         Case("m16k_heavy", 16384, 2048, 5632, "heavy_tailed", 60.0, 580.0),
         # Zipf-like per-unit rates (inputs.firing_rates "heavy"): the busiest units fire on
         # half the tokens, as in trained models; row counts stay near the mean.
         Case("m16k_hot_units", 16384, 2048, 5632, "hot_units", 28.0),
+        # The issue's trained-model case: rows drawn from our 100m model's counts, x 5632 / 2560.
+        Case("m16k_trained", 16384, 2048, 5632, "trained", trained_mean(5632)),
         Case("m128k_uniform28", 131072, 2048, 5632, "uniform", 28.0),
         Case("wide_m16k_uniform", 16384, 4096, 14336, "uniform", 14336 * 28 / 5632),
         Case("wide_m16k_uniform28", 16384, 4096, 14336, "uniform", 28.0),
@@ -102,8 +130,8 @@ CASES = {
 }
 SUITES = {
     "smoke": ["smoke_uniform", "smoke_heavy"],
-    "paper": ["m16k_uniform28", "m16k_heavy", "m16k_uniform2pct", "decode_m1", "decode_m8",
-              "decode_m64", "wide_m16k_uniform28", "m128k_uniform28"],
+    "paper": ["m16k_uniform28", "m16k_heavy", "m16k_uniform2pct", "m16k_trained", "decode_m1",
+              "decode_m8", "decode_m64", "wide_m16k_uniform28", "m128k_uniform28"],
     "training": ["m16k_uniform28", "m16k_heavy", "m16k_hot_units"],
     "decode": ["decode_m1", "decode_m8", "decode_m64", "decode_m8_heavy", "decode_m64_heavy",
                "decode_m1_half_dense"],
@@ -139,16 +167,37 @@ def _calibrate(case: Case, rng: np.random.Generator):
     return best[1], best[2]
 
 
+TRAINED_THRESHOLD = 3.0  # the "trained" pattern's gate threshold, in pre-activation sigmas
+
+
+def trained_row_scales(m: int, f: int, rng: np.random.Generator) -> np.ndarray:
+    """[M] row scales s for the "trained" pattern: each row's count n is drawn from the trained
+    model's histogram and scaled by F / its F; a row of x scaled by s activates each unit with
+    probability P(N(0, 1) > TRAINED_THRESHOLD / s) = n / F, so its count is ~Binomial(F, n / F)."""
+    hist, d_ff = trained_histogram()
+    counts = rng.choice(len(hist), size=m, p=hist / hist.sum()) * (f / d_ff)
+    rate = np.clip(counts / f, 0.1 / f, 0.5)  # a row with no active unit: ~0.1 expected
+    z = np.asarray(jax.scipy.special.ndtri(jnp.asarray(1.0 - rate, jnp.float32)), np.float64)
+    return TRAINED_THRESHOLD / np.maximum(z, 1e-3)
+
+
 def make_case_inputs(case: Case, seed: int = 0):
     """bf16 x [M, D] and weights with the case's sparsity; pre-activations ~ N(0, scale^2)."""
     rng = np.random.default_rng(seed)
-    threshold, sigma = (0.0, 0.0) if case.pattern == "hot_units" else _calibrate(case, rng)
+    if case.pattern == "hot_units":
+        threshold, sigma = 0.0, 0.0
+    elif case.pattern == "trained":
+        threshold, sigma = TRAINED_THRESHOLD, 0.0
+    else:
+        threshold, sigma = _calibrate(case, rng)
     key = jax.random.PRNGKey(seed)
     kx, kg, ku, kd, ks = jax.random.split(key, 5)
     m, d, f = case.m, case.d, case.f
     x = jax.random.normal(kx, (m, d), jnp.float32)
     if sigma > 0:
         x = x * jnp.exp(sigma * jax.random.normal(ks, (m, 1)))
+    if case.pattern == "trained":
+        x = x * jnp.asarray(trained_row_scales(m, f, rng), jnp.float32)[:, None]
     x = x.at[:, -1].set(1.0)
     w_gate = jax.random.normal(kg, (d, f), jnp.float32) / math.sqrt(d - 1)
     if case.pattern == "hot_units":

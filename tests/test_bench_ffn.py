@@ -4,8 +4,10 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import twell_jax as tj
 from tests.utils import load_experiment
 
 
@@ -39,3 +41,20 @@ def test_smoke_case_runs_checks_and_times_every_variant(bench, tmp_path):
         assert row["median_ms"] > 0 and row["latency_ms"] > 0
         assert row["rel_err"] < 2e-2  # bf16 against float64 on sampled rows
     assert timed["xla dense FFN"]["speedup_vs_xla"] == 1.0
+
+
+def test_trained_pattern_follows_the_trained_models_counts(bench):
+    case = bench.CASES["smoke_trained"]
+    hist, d_ff = bench.trained_histogram()
+    assert d_ff == 2560 and hist.sum() > 0
+    want_mean = (hist * np.arange(len(hist))).sum() / hist.sum() * case.f / d_ff
+    assert case.nnz_target == pytest.approx(want_mean)
+    big = bench.Case("trained_check", 4096, 256, 1024, "trained", case.nnz_target)
+    x, w_gate, *_ = bench.make_case_inputs(big)
+    stats, heavy = bench.sparsity_stats(x, w_gate, tj.TwELLConfig())
+    assert stats["nnz_mean"] == pytest.approx(want_mean, rel=0.15)
+    # Heavy-tailed like the model's counts: a p99 far above the mean, some heavy rows.
+    cdf = np.cumsum(hist) / hist.sum()
+    want_p99 = np.searchsorted(cdf, 0.99) * case.f / d_ff
+    assert 0.6 * want_p99 < stats["nnz_p99"] < 1.6 * want_p99
+    assert stats["nnz_p99"] > 3 * stats["nnz_mean"] and heavy.any()
