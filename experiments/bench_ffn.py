@@ -86,14 +86,17 @@ TRAINED_NNZ = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "lm_100m_2200steps", "100m-xla-l1_3e-4", "nnz_distribution.json")
 
 
+@functools.cache
 def trained_histogram(path: str = TRAINED_NNZ) -> tuple[np.ndarray, int]:
-    """(tokens per active-unit count [n + 1], pooled over the layers; the model's F)."""
+    """(tokens per active-unit count [n + 1], pooled over the layers; the model's F). Read once
+    (the case table asks for it at import), so the array is read-only."""
     with open(path) as file:
         dist = json.load(file)
     hists = [np.asarray(layer["histogram"], np.float64) for layer in dist["layers"]]
     pooled = np.zeros(max(len(h) for h in hists))
     for h in hists:
         pooled[: len(h)] += h
+    pooled.flags.writeable = False
     return pooled, int(dist["d_ff"])
 
 

@@ -178,6 +178,7 @@ def fusion_sources(hlo: str) -> dict[str, str]:
             bodies[current] = []
         elif current is not None:
             bodies[current].append(line)
+
     def op_name(text: str) -> str | None:
         found = re.search(r'op_name="([^"]+)"', text)
         return found.group(1) if found else None

@@ -122,14 +122,16 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         rows = lambda ref, c: plgpu.load(ref.at[j[:, None], d_cols[c]], mask=mask,
                                          other=0).astype(jnp.float32)
         down_rows = lambda: [rows(w_down_ref, c) for c in range(num_d_chunks)]
-        down = down_rows() if early_down else None
+        if early_down:
+            down = down_rows()
         if gated:
             # Sum the D chunks' products first: one cross-thread reduction per group.
             prod = rows(w_up_ref, 0) * x_chunks[0][None, :]
             for c in range(1, num_d_chunks):
                 prod = prod + rows(w_up_ref, c) * x_chunks[c][None, :]
             h = h * jnp.sum(prod, axis=1)
-        down = down if early_down else down_rows()
+        if not early_down:
+            down = down_rows()
         accs = tuple(acc + jnp.sum(h[:, None] * w, axis=0) for acc, w in zip(accs, down))
         return col0, gate, active, rank, accs, l1 + jnp.sum(jnp.abs(h))
 
