@@ -164,6 +164,49 @@ def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
         assert_close(got, want, dtype, kind="grad", what=f"{implementation} {name}")
 
 
+@pytest.mark.parametrize("route", ["lists", "lists_and_backup", "dense"])
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
+def test_float32_master_weights_with_bfloat16_activations(implementation, route):
+    """Float32 weights, bf16 x (a model's master weights): the op computes with the weights
+    rounded to bf16 and returns float32 weight gradients. The sparse op returns its kernels'
+    float32 dW without rounding them to bf16 first (no round trip through x.dtype)."""
+    pattern = {"lists": "uniform", "lists_and_backup": "heavy_tailed", "dense": "uniform"}[route]
+    x, *weights = make_ffn_inputs(seed_of(31, pattern), M, D, F, pattern, jnp.float32)
+    x = x.astype(jnp.bfloat16)
+    config = {"lists": dataclasses.replace(CONFIG, slots_per_tile=16),  # no row heavy
+              "lists_and_backup": dataclasses.replace(CONFIG, backup_rows=M),
+              "dense": dataclasses.replace(CONFIG, dense_fallback_density=0.0)}[route]
+    dy = jnp.asarray(np.random.default_rng(6).standard_normal((M, D)), jnp.bfloat16)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+
+    def loss(x, weights):
+        y, stats = tj.gated_mlp(x, *weights, implementation=implementation, config=config,
+                                return_stats=True)
+        return jnp.sum(f32(y) * f32(dy)) + 0.05 * stats.l1, stats
+
+    (_, stats), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        x, tuple(weights))
+    if implementation == "pallas":
+        assert bool(stats.dense_fallback) == (route == "dense")
+    if route != "dense":
+        assert (int(stats.heavy_rows) > 0) == (route == "lists_and_backup")
+    rounded = tuple(f32(w.astype(jnp.bfloat16)) for w in weights)  # what the op computes with
+    _, vjp = jax.vjp(lambda x, w: dense_ffn_f32(x, *w), f32(x), rounded)
+    expected = vjp((f32(dy), jnp.float32(0.05)))
+    dx, d_weights = grads
+    assert dx.dtype == jnp.bfloat16
+    assert_close(dx, expected[0], jnp.bfloat16, kind="grad", what=f"{implementation} dx")
+    for name, got, want in zip(("dw_gate", "dw_up", "dw_down"), d_weights, expected[1]):
+        assert got.dtype == jnp.float32
+        assert_close(got, want, jnp.bfloat16, kind="grad", what=f"{implementation} {name}")
+        if implementation != "xla" and route == "lists":
+            # Not rounded to bf16 on the way: most entries are not bf16 numbers.
+            got = np.asarray(got)
+            nonzero = got != 0
+            as_bf16 = np.asarray(f32(jnp.asarray(got).astype(jnp.bfloat16)))
+            assert np.mean(got[nonzero] != as_bf16[nonzero]) > 0.5, name
+
+
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 @pytest.mark.parametrize("pattern", ["uniform", "heavy_tailed", "zero_rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -222,6 +265,48 @@ def test_backup_capacity_boundary_stays_exact(implementation):
         assert_close(y, expected, jnp.float32, what=f"capacity {capacity}")
 
 
+def test_backup_fills_its_room_with_the_densest_light_rows():
+    """The backup computes its whole size: the heavy rows, then the light rows with the most
+    units (all rows at or above a count, so ties never split), never a row without units."""
+    heavy = jnp.asarray([1, 0, 0, 1, 0, 0, 0, 0, 0], bool)
+    row_nnz = jnp.asarray([50, 3, 9, 40, 9, 0, 7, 1, 0], jnp.int32)
+    sizes = (2, 4, 6, 9)
+    want = {0: [0, 3], 1: [0, 3], 2: [0, 2, 3, 4], 3: [0, 1, 2, 3, 4, 6],
+            4: [0, 1, 2, 3, 4, 6, 7], 5: [0, 3]}  # 0: lists alone, 5: dense (heavy only)
+    for route, rows in want.items():
+        got = ffn._backup_rows(heavy, row_nnz, jnp.int32(route), sizes, 64)
+        assert np.nonzero(np.asarray(got))[0].tolist() == rows, route
+    # In a call: the filled rows leave the lists (row_nnz 0) and the result stays exact.
+    x, *weights = make_ffn_inputs(3, M, D, F, "heavy_tailed", jnp.float32)
+    config = dataclasses.replace(CONFIG, backup_rows=None)
+    (y, stats), residuals = ffn._twell_forward(x, tuple(weights), None, True, "pallas", config)
+    heavy = int(stats.heavy_rows)
+    size = min(s for s in ffn._backup_sizes(M, config) if s >= heavy)
+    backup = np.asarray(residuals.backup)
+    assert heavy < backup.sum() <= size
+    assert np.all(np.asarray(residuals.row_nnz)[backup] == 0)
+    assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
+
+
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+def test_more_than_half_the_rows_heavy_goes_dense(implementation):
+    """Without a fixed capacity the backup holds up to M/2 rows; past that the whole batch
+    takes the dense path (reusing the gate GEMM), reported as a dense fallback, not an
+    overflow, and exact either way."""
+    x, *weights = make_ffn_inputs(4, M, D, F, "uniform", jnp.float32, density=0.1)
+    config = dataclasses.replace(CONFIG, backup_rows=None)
+    sizes = ffn._backup_sizes(M, config)
+    assert sizes[-1] == M // 2 and len(sizes) == len(set(sizes))
+    for rows, dense in [(M, True), (M // 2, False)]:
+        xs = x.at[rows:].set(0.0)  # zero rows: light
+        y, stats = tj.gated_mlp(xs, *weights, implementation=implementation, config=config,
+                                return_stats=True)
+        heavy = int(stats.heavy_rows)
+        assert (heavy > M // 2) == dense and heavy > 0
+        assert bool(stats.dense_fallback) == dense and not bool(stats.backup_overflow)
+        assert_close(y, ffn_float64(xs, *weights)[0], jnp.float32, what=f"{rows} rows")
+
+
 @pytest.mark.parametrize("route", ["lists_and_backup", "overflow_dense", "density_dense"])
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS)
 def test_gradients_on_every_route(implementation, route):
@@ -269,7 +354,8 @@ def test_pallas_switches_to_dense_past_the_density_threshold():
     x, *weights = make_ffn_inputs(4, M, D, F, "uniform", jnp.float32, density=0.1)
     expected, _ = ffn_float64(x, *weights)
     for threshold, dense in [(0.02, True), (0.5, False)]:
-        config = dataclasses.replace(CONFIG, dense_fallback_density=threshold)
+        # A backup of M rows: the density threshold alone decides (most rows are heavy here).
+        config = dataclasses.replace(CONFIG, dense_fallback_density=threshold, backup_rows=M)
         y, stats = tj.gated_mlp(x, *weights, implementation="pallas", config=config,
                                 return_stats=True)
         assert bool(stats.dense_fallback) == dense and not bool(stats.backup_overflow)
@@ -373,7 +459,7 @@ def test_residuals_hold_no_dense_hidden():
     x, *weights = make_ffn_inputs(2, M, D, F, "heavy_tailed", jnp.float32)
     _, residuals = ffn._twell_forward(x, tuple(weights), None, True, "reference", CONFIG)
     for name, value in residuals._asdict().items():
-        if name in ("x", "weights", "bias"):  # the inputs
+        if name in ("x", "params", "weights", "bias"):  # the inputs (weights: cast)
             continue
         assert F not in np.shape(value), f"{name} has shape {np.shape(value)}"
     assert residuals.gate_values.shape == (M, CONFIG.row_slots(F))

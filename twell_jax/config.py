@@ -60,8 +60,9 @@ class TwELLConfig:
         Default 8 of 128 (C = 16): at ~28 active of 5632 units per token a tile holds
         0.64 non-zeros on average and P(count > 8) ~ 1e-9, so uniform rows are never heavy.
       backup_rows: capacity of the dense backup in rows. ``None`` (default): no fixed
-        capacity; the backup is sized at run time from static buckets (M/64, M/32, ...,
-        M/2, M), so it costs at most twice the heavy rows' dense work and never overflows. An int:
+        capacity; the backup is sized at run time from static buckets (M/64, M/32, M/16,
+        M/8, 3M/16, M/4, M/2), so it costs at most twice the heavy rows' dense work and
+        never overflows; past M/2 heavy rows the whole batch goes dense. An int:
         at most that many heavy rows take the backup; if more rows are heavy, the whole
         batch takes the exact dense path and the statistics report ``backup_overflow``.
       max_row_density: a row with more than ``max_row_density * F`` active units is heavy too,

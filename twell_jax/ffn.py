@@ -58,8 +58,9 @@ class FFNStats(NamedTuple):
     to the dense backup (more than S non-zeros in some tile, or more than the row cap); the
     dense and decode paths, which run no backup, report the same count. backup_overflow: more
     heavy rows than ``config.backup_rows``, so the whole batch took the exact dense path.
-    dense_fallback: the whole batch took the dense path (overflow, or density above
-    the cost of the sparse up/down for ``"pallas"``, see ``TwELLConfig.dense_fallback_density``).
+    dense_fallback: the whole batch took the dense path (overflow, more than half the rows
+    heavy, or density above the cost of the sparse up/down for ``"pallas"``, see
+    ``TwELLConfig.dense_fallback_density``).
     """
 
     nnz_mean: jax.Array
@@ -75,10 +76,15 @@ class FFNStats(NamedTuple):
 # The dense function, used by "xla", by the dense backup and by the all-dense fallback.
 
 
-def _p99(row_nnz: jax.Array) -> jax.Array:
-    """Nearest-rank 99th percentile of the per-token counts [M] (int32)."""
+def _p99(row_nnz: jax.Array, d_ff: int) -> jax.Array:
+    """Nearest-rank 99th percentile of the per-token counts [M] (int32, in [0, d_ff]).
+
+    From a histogram of the counts and its running sum, not a sort: XLA's sort of 16384
+    counts took ~20 us of a ~1.4 ms FFN call on the H100 (BENCHMARKS.md, run 81)."""
     m = row_nnz.shape[0]
-    return jnp.sort(row_nnz)[max(0, -(-99 * m // 100) - 1)]
+    histogram = jnp.zeros((d_ff + 1,), jnp.int32).at[jnp.clip(row_nnz, 0, d_ff)].add(1)
+    rank = max(1, -(-99 * m // 100))
+    return jnp.argmax(jnp.cumsum(histogram) >= rank).astype(row_nnz.dtype)
 
 
 def _dense_rows(x: jax.Array, weights: tuple[jax.Array, ...], bias, gated: bool):
@@ -109,7 +115,7 @@ def _stats_from_active(active: jax.Array, l1_rows: jax.Array, config: TwELLConfi
     nnz = active.sum(axis=1, dtype=jnp.int32)
     return FFNStats(
         nnz_mean=jnp.mean(nnz.astype(_F32)),
-        nnz_p99=_p99(nnz),
+        nnz_p99=_p99(nnz, f),
         nnz_max=jnp.max(nnz),
         l1=jnp.mean(l1_rows),
         heavy_rows=heavy_rows(counts, config, f).sum(dtype=jnp.int32),
@@ -132,8 +138,12 @@ def _backup_sizes(m: int, config: TwELLConfig) -> tuple[int, ...]:
     if config.backup_rows is not None:
         capacity = min(config.backup_rows, m)
         return (capacity,) if capacity > 0 else ()
-    # Factor-2 steps from M/64 to M: the backup never computes more than twice the heavy rows.
-    return tuple(sorted({max(1, -(-m // 2**e)) for e in range(7)}))
+    # M/64 to M/2 in factor-2 steps, plus 3M/16: the backup computes at most twice the heavy
+    # rows, and at most 4/3 of them around a sixth of the batch heavy, where trained models'
+    # tails put it (M = 16384: 2,263 heavy rows on bench_ffn's trained case, 3,124 on the
+    # heavy-tailed one). Past M/2 the whole batch goes dense, which reuses the gate GEMM and
+    # costs no more than a backup of M rows would.
+    return tuple(sorted({max(1, -(-m * n // 64)) for n in (1, 2, 4, 8, 12, 16, 32)}))
 
 
 def _route(dense: jax.Array, num_heavy: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
@@ -157,12 +167,31 @@ def _route(dense: jax.Array, num_heavy: jax.Array, sizes: tuple[int, ...]) -> ja
     return jnp.where(dense, 1 + len(sizes), jnp.minimum(sparse, len(sizes)))
 
 
-def _backup_branches(run, heavy: jax.Array, sizes: tuple[int, ...]) -> list:
+def _backup_branches(run, backup: jax.Array, sizes: tuple[int, ...]) -> list:
     """The switch's sparse branches: ``run(None)`` (no heavy row), then ``run(index [size])``
-    (the heavy rows' indices, padded with M) for each backup size."""
+    (the indices of the ``backup`` [M] bool rows, padded with M) for each backup size."""
     return [lambda: run(None)] + [
-        functools.partial(lambda size: run(heavy_row_index(heavy, size)), size)
+        functools.partial(lambda size: run(heavy_row_index(backup, size)), size)
         for size in sizes]
+
+
+def _backup_rows(heavy: jax.Array, row_nnz_all: jax.Array, route: jax.Array,
+                 sizes: tuple[int, ...], f: int) -> jax.Array:
+    """[M] bool: the rows the dense backup computes. The heavy rows, plus, where the chosen
+    size leaves room, the light rows with the most active units (every light row with at
+    least some count t, t the smallest that fits): the backup computes ``size`` rows
+    whatever it is given, so a dense row there costs nothing, and each takes its units off the
+    lists' kernels, forward and backward. ``route`` is ``_route``'s switch index."""
+    if not sizes:
+        return heavy
+    size = jnp.asarray((0,) + sizes + (0,), jnp.int32)[route]  # 0: lists alone, or dense
+    room = size - heavy.sum(dtype=jnp.int32)
+    light = jnp.where(heavy, f + 2, jnp.clip(row_nnz_all, 0, f))  # heavy rows: out of range
+    histogram = jnp.zeros((f + 2,), jnp.int32).at[light].add(1, mode="drop")
+    # at_least[t]: light rows with at least t units (t = 0 .. f + 1; at_least[f + 1] = 0).
+    at_least = jnp.cumsum(histogram[::-1])[::-1]
+    threshold = jnp.maximum(jnp.argmax(at_least <= room), 1)  # rows without units stay
+    return heavy | (light >= threshold) & (room > 0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -208,13 +237,14 @@ def _sparse_never_pays(m: int, d: int, f: int, dtype, config: TwELLConfig) -> bo
 
 class _Residuals(NamedTuple):
     x: jax.Array
-    weights: tuple[jax.Array, ...]
+    params: tuple[jax.Array, ...]  # the weights as passed: their dtypes are the gradients'
+    weights: tuple[jax.Array, ...]  # cast to x.dtype (the compute weights)
     bias: jax.Array | None  # [F] of the gating projection
     gate_values: jax.Array  # [M, K] packed gate (gated) or hidden (non-gated) values
     up_values: jax.Array  # [M, K] f32 up projection at the packed entries ([M, 0] if non-gated)
     columns: jax.Array  # [M, K] int32
-    row_nnz: jax.Array  # [M] int32, 0 for heavy rows
-    heavy: jax.Array  # [M] bool
+    row_nnz: jax.Array  # [M] int32, 0 for the backup's rows
+    backup: jax.Array  # [M] bool: the rows the dense backup computed (``_backup_rows``)
     num_heavy: jax.Array
     dense: jax.Array  # [] bool: the whole batch took the dense path
 
@@ -226,8 +256,7 @@ class _Residuals(NamedTuple):
 def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig) -> RowLists:
     """The lists of the rows not in ``skip`` [M] bool, entries past each row's count zeroed.
 
-    Skipped rows (the heavy rows, which are the backup's, or every row of a batch that goes
-    dense) get row_nnz 0: the sparse products pass over them. A light row holds at most
+    Skipped rows (the backup's rows, or every row of a batch that goes dense) get row_nnz 0: the sparse products pass over them. A light row holds at most
     max_row_nnz entries, so the lists (and the residuals) keep only that many slots; the
     backends leave entries past a row's count unspecified, hence the mask."""
     light_slots = min(lists.values.shape[1], config.max_row_nnz(f))
@@ -237,11 +266,15 @@ def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig) 
     return RowLists(values, columns, row_nnz)
 
 
-def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: RowLists, index):
-    """Light rows on the lists, heavy rows ``index`` [size] (None: no heavy row) through the
-    dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values [M, K] f32 or [M, 0]).
+def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: RowLists, pre,
+                    index):
+    """Light rows on the lists, the backup's rows ``index`` [size] (None: no heavy row; see
+    ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values [M, K] f32 or [M, 0]).
     ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route switch, where XLA can
-    share it with the backward's."""
+    share it with the backward's. ``pre`` [M, F]: the backend's gate pre-activation, or None.
+    The backup reuses its heavy rows rather than redo their gate GEMM (a fifth of the batch
+    on the heavy-tailed pattern: ~0.1 ms of a 1.5 ms call on the H100), as the all-dense
+    branch does."""
     m = x.shape[0]
     if gated:
         y, up_values = backend.up_down(x, w_up_t, weights[-1], gate)
@@ -255,7 +288,11 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: Row
     if index is None:
         return y, l1_sum, up_values
     rows = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
-    y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
+    if pre is None:
+        y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
+    else:
+        pre_rows = jnp.take(pre, index, axis=0, mode="fill", fill_value=0)
+        y_rows, l1_rows = _dense_from_pre(rows, pre_rows, weights, gated)
     return (y.at[index].set(y_rows, mode="drop"),
             l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)), up_values)
 
@@ -269,8 +306,9 @@ def _dense_forward(x, weights, bias, gated, pre, up_slots: int):
     return y, jnp.sum(l1_rows), jnp.zeros((x.shape[0], up_slots), _F32)
 
 
-def _twell_forward(x, weights, bias, gated, implementation, config):
+def _twell_forward(x, params, bias, gated, implementation, config):
     backend = backends.get(implementation)
+    weights = _compute_weights(x, params)
     m = x.shape[0]
     f = weights[0].shape[1]
     lists, counts, pre = backend.pack(x, weights[0], bias, config)
@@ -278,23 +316,28 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
     sizes = _backup_sizes(m, config)
-    overflow = num_heavy > (sizes[-1] if sizes else 0)
-    dense = overflow
+    beyond = num_heavy > (sizes[-1] if sizes else 0)
+    # An overflow is a fixed capacity exceeded; past the largest bucket the batch goes dense.
+    overflow = beyond if config.backup_rows is not None else jnp.asarray(False)
+    dense = beyond
     if backend.cost_model_routes:
         dense = dense | _cheaper_dense(row_nnz_all, heavy, x, f, config)
+    route = _route(dense, num_heavy, sizes)
+    backup = _backup_rows(heavy, row_nnz_all, route, sizes, f)
     # A batch that goes dense keeps empty lists: the backward runs the lists' kernels whatever
     # the route (``_twell_backward``), and they must add nothing to the dense gradients.
-    gate = _light_lists(lists, heavy | dense, f, config)
+    gate = _light_lists(lists, backup | dense, f, config)
 
     w_up_t = weights[1].T if gated else None
-    sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, w_up_t, gate)
+    sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, w_up_t, gate,
+                               pre)
     dense_branch = functools.partial(_dense_forward, x, weights, bias, gated, pre,
                                      gate.values.shape[1] if gated else 0)
-    y, l1_sum, up_values = jax.lax.switch(_route(dense, num_heavy, sizes),
-                                          [*_backup_branches(sparse, heavy, sizes), dense_branch])
+    y, l1_sum, up_values = jax.lax.switch(route,
+                                          [*_backup_branches(sparse, backup, sizes), dense_branch])
     stats = FFNStats(
         nnz_mean=jnp.mean(row_nnz_all.astype(_F32)),
-        nnz_p99=_p99(row_nnz_all),
+        nnz_p99=_p99(row_nnz_all, f),
         nnz_max=jnp.max(row_nnz_all),
         l1=l1_sum / m,
         heavy_rows=num_heavy,
@@ -304,9 +347,9 @@ def _twell_forward(x, weights, bias, gated, implementation, config):
     # Named so a remat policy can keep the packed lists (~1% of the dense residuals) instead of
     # recomputing the FFN forward in the backward (``RESIDUALS_NAME``).
     packed = jax.tree.map(lambda a: checkpoint_name(a, RESIDUALS_NAME),
-                          (gate.values, up_values, gate.columns, gate.row_nnz, heavy,
+                          (gate.values, up_values, gate.columns, gate.row_nnz, backup,
                            num_heavy, dense))
-    residuals = _Residuals(x, weights, bias, *packed)
+    residuals = _Residuals(x, params, weights, bias, *packed)
     return (y, stats), residuals
 
 
@@ -350,10 +393,10 @@ def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
 
 
 def _add_backup_grads(gated: bool, r: _Residuals, dy, l1_ct, grads, index):
-    """``grads`` (dx in x.dtype, the rest float32) plus the dense gradients of the heavy rows
-    ``index`` [size] (padded with M), in the output dtypes (``_output_grads``). The backup's
-    rows are added to dx in place; the lists skip heavy rows, so the rows added to are zero
-    (the add rounds nothing)."""
+    """``grads`` (dx in x.dtype, the rest float32) plus the dense gradients of the backup's
+    rows ``index`` [size] (padded with M), in the output dtypes (``_output_grads``). The backup's
+    rows are added to dx in place; the lists skip the backup's rows, so the rows added to are
+    zero (the add rounds nothing)."""
     dx, d_weights, d_bias = grads
     valid = index < r.x.shape[0]
     rows_x = jnp.take(r.x, index, axis=0, mode="fill", fill_value=0)
@@ -367,9 +410,11 @@ def _add_backup_grads(gated: bool, r: _Residuals, dy, l1_ct, grads, index):
 
 
 def _output_grads(r: _Residuals, grads):
-    """Gradients (dx, d_weights, d_bias or None) cast to the dtypes of x, the weights, the bias."""
+    """Gradients (dx, d_weights, d_bias or None) cast to the dtypes of x, the weights as
+    passed (``r.params``: float32 master weights get ``sparse_outer``'s float32 dW as is), the
+    bias."""
     dx, d_weights, d_bias = grads
-    return (dx.astype(r.x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, r.weights)),
+    return (dx.astype(r.x.dtype), tuple(d.astype(w.dtype) for d, w in zip(d_weights, r.params)),
             None if r.bias is None else d_bias.astype(r.bias.dtype))
 
 
@@ -393,13 +438,14 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     grads = _list_grads(backends.get(implementation), gated, r, dy, l1_ct)
     with_backup = lambda index: (_output_grads(r, grads) if index is None else
                                  _add_backup_grads(gated, r, dy, l1_ct, grads, index))
-    branches = [*_backup_branches(with_backup, r.heavy, sizes),
+    branches = [*_backup_branches(with_backup, r.backup, sizes),
                 functools.partial(_dense_backward, gated, r, dy, l1_ct)]
     return jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
 
 
-def _decode_forward(backend: Backend, x, weights, bias, gated, config):
+def _decode_forward(backend: Backend, x, params, bias, gated, config):
     """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup."""
+    weights = _compute_weights(x, params)
     # One transpose per call; loop-invariant in a decode loop (the H100 run suggests XLA hoists
     # it there, the CPU pipeline does not: BENCHMARKS.md, run 15).
     w_up_t = weights[1].T if gated else None
@@ -418,14 +464,22 @@ def _static_dense(backend: Backend, m: int, d: int, f: int, dtype, config: TwELL
             and _sparse_never_pays(m, d, f, dtype, config))
 
 
+def _compute_weights(x: jax.Array, params: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """The weights in x.dtype, the dtype every kernel and GEMM computes in."""
+    return tuple(w.astype(x.dtype) for w in params)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _twell_ffn(x, weights, bias, gated, implementation, config):
+def _twell_ffn(x, params, bias, gated, implementation, config):
+    """The sparse FFN on x [M, D]; ``params`` the weights in their own dtype (float32 master
+    weights, say): cast to x.dtype inside, so the backward returns ``sparse_outer``'s float32
+    dW without a round trip through x.dtype (two passes over each [F, D] matrix a call)."""
     # Not differentiated (the primal): few rows take the list-free decode path. Differentiated
     # calls run ``_twell_forward``, whose lists the sparse backward needs.
     backend = backends.get(implementation)
     if _uses_decode(backend, x.shape[0], config):
-        return _decode_forward(backend, x, weights, bias, gated, config)
-    return _twell_forward(x, weights, bias, gated, implementation, config)[0]
+        return _decode_forward(backend, x, params, bias, gated, config)
+    return _twell_forward(x, params, bias, gated, implementation, config)[0]
 
 
 _twell_ffn.defvjp(_twell_forward, _twell_backward)
@@ -474,8 +528,10 @@ def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, retu
     config = DEFAULT_CONFIG if config is None else config
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    # One compute dtype: weights are cast to x.dtype (gradients flow back through the cast).
-    weights = tuple(w.astype(x.dtype) for w in weights)
+    # One compute dtype: weights are cast to x.dtype. The sparse op casts them itself and
+    # returns dW in their own dtype; the dense paths' gradients flow back through the cast.
+    params = weights
+    weights = _compute_weights(x, params)
     bias = None if bias is None else bias.astype(x.dtype)
     if x2.shape[0] == 0:
         y = jnp.zeros(x.shape, x.dtype)
@@ -489,7 +545,7 @@ def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, retu
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
         stats = stats._replace(dense_fallback=jnp.asarray(True))
     else:
-        y, stats = _twell_ffn(x2, weights, bias, gated, implementation, config)
+        y, stats = _twell_ffn(x2, params, bias, gated, implementation, config)
     y = y.reshape(*lead, x.shape[-1])
     return (y, stats) if return_stats else y
 

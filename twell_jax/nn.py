@@ -116,7 +116,9 @@ class _FFNBase(nnx.Module):
         x = jnp.asarray(x)
         dtype = x.dtype if self.dtype is None else self.dtype
         x = x.astype(dtype)
-        ws = tuple(w[...].astype(dtype) for w in weights)
+        # The weights go in their own dtype: the op casts them to x.dtype, and the sparse op
+        # returns float32 master weights' gradients straight from its kernels (no round trip).
+        ws = tuple(w[...] for w in weights)
         bias = {k: None if b is None else b[...] for k, b in bias.items()}
         run = functools.partial(op, implementation=self.implementation, config=self.config,
                                 return_stats=True)
@@ -163,6 +165,8 @@ def _per_device(run: Callable, x: jax.Array, ws: tuple[jax.Array, ...], bias: di
     if x.shape[0] % n:
         raise ValueError(f"FFN input of shape {x.shape}: the batch dimension must be a "
                          f"multiple of {n}, the devices of mesh axes {axes}")
+    # Cast before the split: the weight gradients are summed over the devices in x.dtype.
+    ws = tuple(w.astype(x.dtype) for w in ws)
 
     def body(x, ws, bias):
         y, stats = run(x, *ws, **bias)
