@@ -79,8 +79,8 @@ class FFNStats(NamedTuple):
 def _p99(row_nnz: jax.Array, d_ff: int) -> jax.Array:
     """Nearest-rank 99th percentile of the per-token counts [M] (int32, in [0, d_ff]).
 
-    From a histogram of the counts and its running sum, not a sort: XLA's sort of 16384
-    counts took ~20 us of a ~1.4 ms FFN call on the H100 (BENCHMARKS.md, run 81)."""
+    From a histogram of the counts and its running sum, not a sort: exact, and no sort
+    launch (its effect on a call's time was not seen on the H100: BENCHMARKS.md, run 67)."""
     m = row_nnz.shape[0]
     histogram = jnp.zeros((d_ff + 1,), jnp.int32).at[jnp.clip(row_nnz, 0, d_ff)].add(1)
     rank = max(1, -(-99 * m // 100))
@@ -141,8 +141,9 @@ def _backup_sizes(m: int, config: TwELLConfig) -> tuple[int, ...]:
     # M/64 to M/2 in factor-2 steps, plus 3M/16: the backup computes at most twice the heavy
     # rows, and at most 4/3 of them around a sixth of the batch heavy, where trained models'
     # tails put it (M = 16384: 2,263 heavy rows on bench_ffn's trained case, 3,124 on the
-    # heavy-tailed one). Past M/2 the whole batch goes dense, which reuses the gate GEMM and
-    # costs no more than a backup of M rows would.
+    # heavy-tailed one); its spare rows take the densest light rows (``_backup_rows``). Past
+    # M/2 the whole batch goes dense, which reuses the gate GEMM and costs no more than a
+    # backup of M rows would.
     return tuple(sorted({max(1, -(-m * n // 64)) for n in (1, 2, 4, 8, 12, 16, 32)}))
 
 
