@@ -103,9 +103,12 @@ def test_step_on_2x2_mesh_matches_one_device(implementation):
         assert kernels <= set(sharded["kernels"]), sharded["kernels"]
     else:
         assert not {"twell_row_pack", "twell_row_up_down"} & set(sharded["kernels"])
+    # Up to rounding: each device's dense backup fills its spare rows with its densest light
+    # rows (``ffn._backup_rows``), so a few rows take the dense path on one device count and
+    # the lists on the other (bf16 GEMM outputs against float32 sums).
     for key in ("loss", "ce", "l1", "grad_norm"):
-        assert sharded[key] == pytest.approx(single[key], rel=1e-5), key
-    assert sharded["l1_layer"] == pytest.approx(single["l1_layer"], rel=1e-5)
+        assert sharded[key] == pytest.approx(single[key], rel=1e-4), key
+    assert sharded["l1_layer"] == pytest.approx(single["l1_layer"], rel=1e-4)
     for key in EXACT_STATS:
         assert sharded[key] == single[key], key
     assert single["nnz_p99"] <= sharded["nnz_p99"] <= single["nnz_max"]

@@ -257,9 +257,10 @@ class _Residuals(NamedTuple):
 def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig) -> RowLists:
     """The lists of the rows not in ``skip`` [M] bool, entries past each row's count zeroed.
 
-    Skipped rows (the backup's rows, or every row of a batch that goes dense) get row_nnz 0: the sparse products pass over them. A light row holds at most
-    max_row_nnz entries, so the lists (and the residuals) keep only that many slots; the
-    backends leave entries past a row's count unspecified, hence the mask."""
+    Skipped rows (the backup's rows, or every row of a batch that goes dense) get row_nnz 0:
+    the sparse products pass over them. A light row holds at most max_row_nnz entries, so the
+    lists (and the residuals) keep only that many slots; the backends leave entries past a
+    row's count unspecified, hence the mask."""
     light_slots = min(lists.values.shape[1], config.max_row_nnz(f))
     row_nnz = jnp.where(skip, 0, jnp.minimum(lists.row_nnz, light_slots))
     values, columns = mask_lists(lists.values[:, :light_slots], lists.columns[:, :light_slots],
@@ -270,12 +271,12 @@ def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig) 
 def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: RowLists, pre,
                     index):
     """Light rows on the lists, the backup's rows ``index`` [size] (None: no heavy row; see
-    ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values [M, K] f32 or [M, 0]).
-    ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route switch, where XLA can
-    share it with the backward's. ``pre`` [M, F]: the backend's gate pre-activation, or None.
-    The backup reuses its heavy rows rather than redo their gate GEMM (a fifth of the batch
-    on the heavy-tailed pattern: ~0.1 ms of a 1.5 ms call on the H100), as the all-dense
-    branch does."""
+    ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values
+    [M, K] f32 or [M, 0]). ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route
+    switch, where XLA can share it with the backward's. ``pre`` [M, F]: the backend's gate
+    pre-activation, or None. The backup takes its rows of ``pre`` rather than redo their gate
+    GEMM, as the all-dense branch does (with the sizes of ``_backup_sizes``: heavy-tailed
+    forward 1.60 -> 1.43 ms on the H100, BENCHMARKS.md run 80)."""
     m = x.shape[0]
     if gated:
         y, up_values = backend.up_down(x, w_up_t, weights[-1], gate)
@@ -395,9 +396,9 @@ def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
 
 def _add_backup_grads(gated: bool, r: _Residuals, dy, l1_ct, grads, index):
     """``grads`` (dx in x.dtype, the rest float32) plus the dense gradients of the backup's
-    rows ``index`` [size] (padded with M), in the output dtypes (``_output_grads``). The backup's
-    rows are added to dx in place; the lists skip the backup's rows, so the rows added to are
-    zero (the add rounds nothing)."""
+    rows ``index`` [size] (padded with M), in the output dtypes (``_output_grads``). The
+    backup's rows are added to dx in place; the lists skip the backup's rows, so the rows
+    added to are zero (the add rounds nothing)."""
     dx, d_weights, d_bias = grads
     valid = index < r.x.shape[0]
     rows_x = jnp.take(r.x, index, axis=0, mode="fill", fill_value=0)
