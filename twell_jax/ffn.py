@@ -55,8 +55,9 @@ class FFNStats(NamedTuple):
     nnz_mean: mean active units (gate > 0) per token. nnz_p99: the 99th percentile over tokens
     (nearest rank). nnz_max: the most in one token.
     l1: mean over tokens of sum_j |h_j| (differentiable). heavy_rows: tokens the format sends
-    to the dense backup (more than S non-zeros in some tile, or more than the row cap); the
-    dense and decode paths, which run no backup, report the same count. backup_overflow: more
+    to the dense backup (more than S non-zeros in some tile, or more than the row cap; the
+    backup's spare rows also take the densest light rows, not counted here); the dense and
+    decode paths, which run no backup, report the same count. backup_overflow: more
     heavy rows than ``config.backup_rows``, so the whole batch took the exact dense path.
     dense_fallback: the whole batch took the dense path (overflow, more than half the rows
     heavy, or density above the cost of the sparse up/down for ``"pallas"``, see
