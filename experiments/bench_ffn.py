@@ -8,6 +8,8 @@ On the H100 (the numbers in BENCHMARKS.md):
 
     python experiments/bench_ffn.py --suite paper --out runs/bench_ffn.jsonl
     python experiments/bench_ffn.py --suite training --backward   # forward + backward
+    python experiments/bench_ffn.py --suite training --backward --weights-dtype float32
+                                          # float32 master weights, as the models hold them
 
 With ``--backward`` each case times forward + backward instead (all four gradients against a
 random cotangent, dense XLA and the sparse path), checks every gradient against a float32
@@ -64,6 +66,9 @@ class BenchArgs:
     check_rows: int = flag(512, "rows compared against the float64 reference before timing")
     backward: bool = flag(False, "time forward + backward (all four gradients) instead of the "
                           "forward alone")
+    weights_dtype: str = flag("bfloat16", "dtype of the weights passed to the FFNs (x is bf16): "
+                              "float32 for master weights, as the models hold them",
+                              choices=("bfloat16", "float32"))
     out: str = flag("runs/bench_ffn.jsonl", "JSON-lines file the measurements are appended to")
 
 
@@ -398,14 +403,15 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     dense = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="xla"))
     sparse = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=config,
                                              return_stats=True))
-    measure("xla dense FFN", dense, x, w_gate, w_up, w_down)
-    measure("pallas TwELL FFN", sparse, x, w_gate, w_up, w_down,
-            fallback=bool(sparse(x, w_gate, w_up, w_down)[1].dense_fallback))
+    weights = op_weights(args, w_gate, w_up, w_down)
+    measure("xla dense FFN", dense, x, *weights)
+    measure("pallas TwELL FFN", sparse, x, *weights,
+            fallback=bool(sparse(x, *weights)[1].dense_fallback))
     no_switch = dataclasses.replace(config, dense_fallback_density=1.0)
     forced = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=no_switch))
-    measure("pallas TwELL FFN, sparse forced", forced, x, w_gate, w_up, w_down)
+    measure("pallas TwELL FFN, sparse forced", forced, x, *weights)
     flax_mlp = jax.jit(lambda *a: flax_dense_mlp(*a))
-    measure("flax: three bf16 nnx.Linear layers", flax_mlp, x, w_gate, w_up, w_down)
+    measure("flax: three bf16 nnx.Linear layers", flax_mlp, x, *weights)
 
     # Stages alone (knob sweeps: experiments/bench_stages.py).
     mm = jax.jit(lambda a, b: jnp.dot(a, b))
@@ -424,6 +430,12 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
             columns, row_nnz, check=False,
             bytes=int(jnp.sum(row_nnz)) * 2 * case.d * w_down.dtype.itemsize)
     return results
+
+
+def op_weights(args: BenchArgs, *weights: jax.Array) -> tuple[jax.Array, ...]:
+    """The case's bf16 weights in ``--weights-dtype`` (float32 holds them exactly): what the
+    timed FFNs get. The stages and the float64 check use the bf16 ones (the same values)."""
+    return tuple(w.astype(args.weights_dtype) for w in weights)
 
 
 def residual_bytes(fn: Callable, *args) -> dict:
@@ -450,7 +462,7 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
     stats, _ = sparsity_stats(x, w_gate, config)
     emit({"case": case.name, "kind": "sparsity", **stats})
     dy = jax.random.normal(jax.random.PRNGKey(7), x.shape, jnp.float32).astype(x.dtype)
-    inputs = (x, w_gate, w_up, w_down)
+    inputs = (x, *op_weights(args, w_gate, w_up, w_down))
     l1_coeff = 1e-4
     f32 = lambda a: a.astype(jnp.float32)
 
@@ -508,7 +520,7 @@ def flax_dense_mlp(x, w_gate, w_up, w_down):
     (bf16 GEMM outputs, fp32 accumulation inside), timed beside ``implementation="xla"``."""
     from flax import nnx
 
-    (d, f), kw = w_gate.shape, dict(use_bias=False, dtype=x.dtype, param_dtype=x.dtype,
+    (d, f), kw = w_gate.shape, dict(use_bias=False, dtype=x.dtype, param_dtype=w_gate.dtype,
                                     rngs=nnx.Rngs(0))
     gate, up, down = nnx.Linear(d, f, **kw), nnx.Linear(d, f, **kw), nnx.Linear(f, d, **kw)
     gate.kernel[...], up.kernel[...], down.kernel[...] = w_gate, w_up, w_down

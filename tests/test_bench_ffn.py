@@ -43,6 +43,21 @@ def test_smoke_case_runs_checks_and_times_every_variant(bench, tmp_path):
     assert timed["xla dense FFN"]["speedup_vs_xla"] == 1.0
 
 
+def test_backward_with_float32_master_weights(bench, tmp_path):
+    """--backward --weights-dtype float32: the FFNs get float32 weights (as the models hold
+    them) and every gradient is checked against the float32 reference before timing."""
+    out = tmp_path / "bench.jsonl"
+    rows = bench.main(["--suite", "smoke_uniform", "--backward", "--weights-dtype", "float32",
+                       "--runs", "1", "--min-batch-ms", "1", "--out", str(out)])
+    header = json.loads(out.read_text().splitlines()[0])
+    assert header["args"]["weights_dtype"] == "float32"
+    assert rows and not [r for r in rows if "error" in r]
+    for row in rows:
+        errors = [v for k, v in row.items() if k.startswith("rel_err_")]
+        assert len(errors) == 4 and max(errors) < 2e-2, row
+        assert row["median_ms"] > 0
+
+
 def test_trained_pattern_follows_the_trained_models_counts(bench):
     case = bench.CASES["smoke_trained"]
     hist, d_ff = bench.trained_histogram()
