@@ -366,9 +366,10 @@ def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
                 timed=f"per call, on-device loop of {DECODE_STEPS} x {DECODE_LAYERS} layers")
 
     op = lambda impl: (lambda x, *w: tj.gated_mlp(x, *w, implementation=impl, config=config))
-    measure("xla dense FFN", op("xla"), layers)
-    measure("pallas TwELL FFN", op("pallas"), layers)
-    measure("flax: three bf16 nnx.Linear layers", flax_dense_mlp, layers)
+    op_layers = [op_weights(args, *weights) for weights in layers]
+    measure("xla dense FFN", op("xla"), op_layers)
+    measure("pallas TwELL FFN", op("pallas"), op_layers)
+    measure("flax: three bf16 nnx.Linear layers", flax_dense_mlp, op_layers)
     measure("stage: xla gate GEMM (x @ w_gate, bf16 out)",
             lambda x, g, u, d: jnp.dot(x, g)[:, :x.shape[1]], layers, check=False)
     measure("stage: gate GEMM + scan_up_down (w_up stored [F, D])",

@@ -1,5 +1,6 @@
 """experiments/bench_ffn.py on the CPU: the timer's contract and the smoke suite as run."""
 
+import dataclasses
 import json
 
 import jax
@@ -43,9 +44,10 @@ def test_smoke_case_runs_checks_and_times_every_variant(bench, tmp_path):
     assert timed["xla dense FFN"]["speedup_vs_xla"] == 1.0
 
 
-def test_backward_with_float32_master_weights(bench, tmp_path):
-    """--backward --weights-dtype float32: the FFNs get float32 weights (as the models hold
-    them) and every gradient is checked against the float32 reference before timing."""
+def test_float32_master_weights(bench, tmp_path, monkeypatch):
+    """--weights-dtype float32: the FFNs get float32 weights (as the models hold them), with
+    --backward every gradient checked against the float32 reference before timing, and at
+    decode sizes too."""
     out = tmp_path / "bench.jsonl"
     rows = bench.main(["--suite", "smoke_uniform", "--backward", "--weights-dtype", "float32",
                        "--runs", "1", "--min-batch-ms", "1", "--out", str(out)])
@@ -56,6 +58,23 @@ def test_backward_with_float32_master_weights(bench, tmp_path):
         errors = [v for k, v in row.items() if k.startswith("rel_err_")]
         assert len(errors) == 4 and max(errors) < 2e-2, row
         assert row["median_ms"] > 0
+    # Decode sizes take the flag too (the timed FFNs of the on-device loop; a short loop).
+    monkeypatch.setattr(bench, "DECODE_STEPS", 1)
+    monkeypatch.setattr(bench, "DECODE_LAYERS", 1)
+    case = dataclasses.replace(bench.CASES["decode_m1"], d=64, f=256, nnz_target=8.0)
+    weight_dtypes, time_ms = [], bench.time_ms
+    def recording_time_ms(fn, x, weight_sets, **kwargs):  # the weights each loop was timed on
+        weight_dtypes.append({str(w.dtype) for w in jax.tree.leaves(weight_sets)})
+        return time_ms(fn, x, weight_sets, **kwargs)
+    monkeypatch.setattr(bench, "time_ms", recording_time_ms)
+    timed = []
+    bench.run_decode_case(case, bench.BenchArgs(runs=1, weights_dtype="float32"),
+                          tj.TwELLConfig(), timed.append)
+    labels = [r.get("label") for r in timed if "label" in r]
+    ffns = [r for r in timed if r.get("label") in ("xla dense FFN", "pallas TwELL FFN")]
+    assert len(ffns) == 2 and all("error" not in r and r["rel_err"] < 2e-2 for r in ffns), ffns
+    for label in ("xla dense FFN", "pallas TwELL FFN"):
+        assert weight_dtypes[labels.index(label)] == {"float32"}, label
 
 
 def test_trained_pattern_follows_the_trained_models_counts(bench):
