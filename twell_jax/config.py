@@ -65,6 +65,8 @@ class TwELLConfig:
         never overflows; past M/2 heavy rows the whole batch goes dense. An int:
         at most that many heavy rows take the backup; if more rows are heavy, the whole
         batch takes the exact dense path and the statistics report ``backup_overflow``.
+        Either way the backup's spare rows take the densest light rows (free: its GEMMs
+        run at its full size).
       max_row_density: a row with more than ``max_row_density * F`` active units is heavy too,
         even if no tile overflows: such a row is cheaper in the dense backup (dense GEMMs on the
         tensor cores) than as gathered weight rows. On the H100 a gathered non-zero moves two
