@@ -49,22 +49,30 @@ def _entry_grads_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, wi
     dy_chunks = [dy_ref[row, ch].astype(jnp.float32) for ch in chunks]
     l1 = l1_ref[0]
 
+    def fetch(k):
+        """Entry k's unit, gate and up values (k clamped into the lists: past row_nnz
+        unused)."""
+        k = jnp.minimum(k, num_slots - 1)
+        unit = (columns_ref[row, k], g_ref[row, k].astype(jnp.float32))
+        return (*unit, u_ref[row, k]) if gated else unit
+
     def step(k, carry):
-        d1, d2 = carry
-        j = columns_ref[row, k]
-        g = g_ref[row, k].astype(jnp.float32)
+        d1, d2, (j, g, *u) = carry
+        # The next entry's unit is loaded before this entry's w_down row, which depends on it.
+        upcoming = fetch(k + 1)
         prod = dy_chunks[0] * w_down_ref[j, chunks[0]].astype(jnp.float32)
         for c in range(1, num_chunks):
             prod = prod + dy_chunks[c] * w_down_ref[j, chunks[c]].astype(jnp.float32)
         dh = jnp.sum(prod)
         if gated:
-            u = u_ref[row, k]
+            (u,) = u
             dh = dh + l1 * jnp.sign(g * u)
-            return jnp.where(slot == k, dh * g, d1), jnp.where(slot == k, dh * u, d2)
-        return jnp.where(slot == k, dh + l1 * jnp.sign(g), d1), d2
+            return (jnp.where(slot == k, dh * g, d1), jnp.where(slot == k, dh * u, d2),
+                    upcoming)
+        return jnp.where(slot == k, dh + l1 * jnp.sign(g), d1), d2, upcoming
 
     zero_slots = jnp.zeros((width,), jnp.float32)
-    d1, d2 = jax.lax.fori_loop(0, nnz, step, (zero_slots, zero_slots))
+    d1, d2, _ = jax.lax.fori_loop(0, nnz, step, (zero_slots, zero_slots, fetch(0)))
     d1_ref[row, :] = d1  # 0 past row_nnz
     if gated:
         d2_ref[row, :] = d2
@@ -82,19 +90,26 @@ def _dx_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, gated: bool
     nnz = jnp.clip(nnz_ref[row], 0, num_slots)
     chunks = [pl.ds(c * block_d, block_d) for c in range(num_chunks)]
 
-    def step(k, accs):
-        j = columns_ref[row, k]
-        d1 = d1_ref[row, k]
+    def fetch(k):
+        """Entry k's unit and gradients (k clamped into the lists: past row_nnz unused)."""
+        k = jnp.minimum(k, num_slots - 1)
+        unit = (columns_ref[row, k], d1_ref[row, k])
+        return (*unit, d2_ref[row, k]) if gated else unit
+
+    def step(k, carry):
+        accs, (j, d1, *d2) = carry
+        # The next entry's unit is loaded before this entry's weight rows, which depend on it.
+        upcoming = fetch(k + 1)
         if gated:
-            d2 = d2_ref[row, k]
+            (d2,) = d2
             return tuple(acc + d1 * w_up_ref[j, ch].astype(jnp.float32)
                          + d2 * w_gate_ref[j, ch].astype(jnp.float32)
-                         for acc, ch in zip(accs, chunks))
+                         for acc, ch in zip(accs, chunks)), upcoming
         return tuple(acc + d1 * w_up_ref[j, ch].astype(jnp.float32)
-                     for acc, ch in zip(accs, chunks))
+                     for acc, ch in zip(accs, chunks)), upcoming
 
     zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in chunks)
-    accs = jax.lax.fori_loop(0, nnz, step, zeros)
+    accs, _ = jax.lax.fori_loop(0, nnz, step, (zeros, fetch(0)))
     for acc, ch in zip(accs, chunks):
         dx_ref[row, ch] = acc.astype(dx_ref.dtype)
 

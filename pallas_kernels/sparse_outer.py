@@ -86,7 +86,10 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
             else:
                 o_ref[pieces, features] = acc
 
-    @pl.when(i >= unit_blocks)
+    # Later pieces: partial sums, stored only by a block that holds some (most blocks are
+    # padding: the rows are allocated for F / 2 later pieces; the piece-adding kernel reads
+    # only real pieces' rows, so the padding's rows are never written nor read).
+    @pl.when((i >= unit_blocks) & (jnp.max(sizes) > 0))
     def _():
         rows = pl.ds(pl.multiple_of(piece0 - unit_blocks * block_f, block_f), block_f)
         for acc, p_ref in zip(accs, partial_refs):
@@ -202,12 +205,18 @@ def column_view(columns: jax.Array, row_nnz: jax.Array, d_ff: int):
     """
     m, k = columns.shape
     valid = jnp.arange(k, dtype=jnp.int32)[None, :] < row_nnz[:, None]
-    keys = jnp.where(valid & (columns >= 0) & (columns < d_ff), columns, d_ff).reshape(-1)
-    order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+    # 16-bit keys where F allows (F < 2^16 - 1, every FFN here): a radix sort then takes half
+    # the passes of a 32-bit one.
+    key_dtype = jnp.uint16 if d_ff < jnp.iinfo(jnp.uint16).max else jnp.int32
+    keys = jnp.where(valid & (columns >= 0) & (columns < d_ff), columns, d_ff)
+    keys = keys.reshape(-1).astype(key_dtype)
+    # The stable sort of (key, entry) pairs returns the sorted keys too: no gather for them.
+    sorted_keys, order = jax.lax.sort((keys, jnp.arange(m * k, dtype=jnp.int32)), num_keys=1,
+                                      is_stable=True)
     # Each column's extent in the sorted keys: a binary search (no scatter-add: a hot column
     # would serialise the atomic adds), unrolled (the default search is a while loop, which on
     # a GPU waits on the host at each of its ~21 steps).
-    edges = jnp.searchsorted(keys[order], jnp.arange(d_ff + 1, dtype=keys.dtype),
+    edges = jnp.searchsorted(sorted_keys, jnp.arange(d_ff + 1, dtype=key_dtype),
                              side="left", method="scan_unrolled").astype(jnp.int32)
     return order, edges[:-1], edges[1:] - edges[:-1]
 

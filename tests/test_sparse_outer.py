@@ -73,14 +73,18 @@ def test_kernel_matches_reference_and_float64(pattern, dtype, n_values, transpos
         assert_close(r, e, jnp.float32, what=f"reference {pattern}")
 
 
-def test_column_view_groups_entries_by_column():
+@pytest.mark.parametrize("d_ff", [F, 70_000])  # 16-bit sort keys; 32-bit past 65,534 units
+def test_column_view_groups_entries_by_column(d_ff):
     _, columns, row_nnz, _ = make_pattern(3, "uniform", jnp.float32)
-    order, starts, counts = column_view(columns, row_nnz, F)
+    if d_ff != F:  # spread the units over the wide range, the last one included
+        columns = jnp.where(columns == F - 1, d_ff - 1, columns * (d_ff // F))
+    order, starts, counts = column_view(columns, row_nnz, d_ff)
     cols, nnz = np.asarray(columns), np.asarray(row_nnz)
     valid = np.arange(K)[None, :] < nnz[:, None]
-    np.testing.assert_array_equal(np.asarray(counts), np.bincount(cols[valid], minlength=F))
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(cols[valid], minlength=d_ff))
+    assert np.sum(np.asarray(counts)) == np.sum(np.minimum(nnz, K)) > 0
     order = np.asarray(order)
-    for f in (0, 17, F - 1):
+    for f in sorted(set(cols[valid][:3].tolist()) | {0, d_ff - 1}):
         entries = order[starts[f]: starts[f] + counts[f]]
         assert np.all(cols.reshape(-1)[entries] == f) and np.all(np.diff(entries) > 0)
 
