@@ -5,6 +5,8 @@ For each row m and each valid entry k < row_nnz[m] (j = columns[m, k], g = gate_
     gated:      u[m, k] = x[m] . w_up_t[j]   (fp32);   y[m] += (g * u[m, k]) * w_down[j]
     non-gated:                                           y[m] += g * w_down[j]
 
+and the row's L1 statistic l1[m] = sum_k |h| (h = g * u[m, k], or g), from the same loop.
+
 ``w_up_t`` is stored feature-major ([F, D]: row j holds unit j's up weights), so each entry reads
 one contiguous D-row of each weight; the dense hidden h is never formed. Entries k >= row_nnz[m]
 are never read.
@@ -35,13 +37,13 @@ def _row_up_down_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, up
     """One program: row ``program_id(0)``, all D columns.
 
     Refs (whole arrays): [x [M, D], w_up_t [F, D]] (gated only), w_down [F, D],
-    gate_values [M, K], columns [M, K] int32, row_nnz [M] int32; outputs y [M, D] and, gated
-    only, up [M, up_width] float32.
+    gate_values [M, K], columns [M, K] int32, row_nnz [M] int32; outputs y [M, D], l1 [M]
+    float32 and, gated only, up [M, up_width] float32.
     """
     if gated:
-        x_ref, w_up_ref, w_down_ref, g_ref, columns_ref, nnz_ref, y_ref, up_ref = refs
+        x_ref, w_up_ref, w_down_ref, g_ref, columns_ref, nnz_ref, y_ref, l1_ref, up_ref = refs
     else:
-        w_down_ref, g_ref, columns_ref, nnz_ref, y_ref = refs
+        w_down_ref, g_ref, columns_ref, nnz_ref, y_ref, l1_ref = refs
     row = pl.program_id(0)
     nnz = jnp.clip(nnz_ref[row], 0, num_slots)
     chunks = [pl.ds(c * block_d, block_d) for c in range(num_chunks)]
@@ -50,7 +52,7 @@ def _row_up_down_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, up
         x_chunks = [x_ref[row, ch].astype(jnp.float32) for ch in chunks]
 
     def step(k, carry):
-        accs, ups = carry
+        accs, ups, l1 = carry
         j = columns_ref[row, k]
         h = g_ref[row, k].astype(jnp.float32)
         # The w_down row is loaded before the up product's reduction (which synchronises the
@@ -66,12 +68,14 @@ def _row_up_down_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, up
             ups = jnp.where(slot == k, u, ups)
             h = h * u
         accs = tuple(acc + h * w.astype(jnp.float32) for acc, w in zip(accs, w_down_row))
-        return accs, ups
+        return accs, ups, l1 + jnp.abs(h)
 
     zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in chunks)
-    accs, ups = jax.lax.fori_loop(0, nnz, step, (zeros, jnp.zeros((up_width,), jnp.float32)))
+    accs, ups, l1 = jax.lax.fori_loop(
+        0, nnz, step, (zeros, jnp.zeros((up_width,), jnp.float32), jnp.float32(0.0)))
     for acc, ch in zip(accs, chunks):
         y_ref[row, ch] = acc.astype(y_ref.dtype)
+    l1_ref[row] = l1
     if gated:
         up_ref[row, :] = ups  # 0 past row_nnz
 
@@ -135,7 +139,7 @@ def row_up_down(
     out_dtype=None,
     config: RowUpDownConfig | None = None,
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Gated (x and w_up_t given) or non-gated (both None) up/down projection on row lists.
 
     Args:
@@ -147,8 +151,9 @@ def row_up_down(
       config: ``default_row_up_down_config(D)`` when None; D % block_d == 0 (the caller pads).
       interpret: run the Pallas interpreter (None: iff no GPU).
     Returns:
-      ``(y [M, D], up [M, K] float32 or None)``: up holds u at valid entries and 0 elsewhere
-      (gated only; the training backward and the L1 statistic use it).
+      ``(y [M, D], up [M, K] float32 or None, l1 [M] float32)``: up holds u at valid entries
+      and 0 elsewhere (gated only; the training backward uses it); l1 is each row's
+      ``sum_k |h|`` over its valid entries, h = g * u (gated) or g: the L1 statistic.
     """
     gated = x is not None
     m, k, d = _check_args(x, w_up_t, w_down, gate_values, columns, row_nnz, gated)
@@ -161,7 +166,8 @@ def row_up_down(
     kernel = functools.partial(_row_up_down_kernel, block_d=block_d, num_chunks=d // block_d,
                                num_slots=k, up_width=up_width,
                                gated=gated)
-    out_shape = [jax.ShapeDtypeStruct((m, d), out_dtype)]
+    out_shape = [jax.ShapeDtypeStruct((m, d), out_dtype),
+                 jax.ShapeDtypeStruct((m,), jnp.float32)]
     inputs = (x, w_up_t) if gated else ()
     if gated:
         out_shape.append(jax.ShapeDtypeStruct((m, up_width), jnp.float32))
@@ -175,8 +181,8 @@ def row_up_down(
         name="twell_row_up_down",
     )(*inputs, w_down, gate_values, columns, row_nnz)
     if gated:
-        return outs[0], outs[1][:, :k]
-    return outs[0], None
+        return outs[0], outs[2][:, :k], outs[1]
+    return outs[0], None, outs[1]
 
 
 def row_up_down_reference(
@@ -188,7 +194,7 @@ def row_up_down_reference(
     row_nnz: jax.Array,
     *,
     out_dtype=None,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Plain-jnp :func:`row_up_down` (same arguments and outputs), one slot at a time."""
     gated = x is not None
     m, k, d = _check_args(x, w_up_t, w_down, gate_values, columns, row_nnz, gated)
@@ -196,7 +202,7 @@ def row_up_down_reference(
     nnz = jnp.clip(row_nnz, 0, k)
 
     def step(kk, carry):
-        y, up = carry
+        y, up, l1 = carry
         valid = kk < nnz
         j = jnp.where(valid, columns[:, kk], 0)
         h = jnp.where(valid, gate_values[:, kk].astype(jnp.float32), 0.0)
@@ -205,8 +211,9 @@ def row_up_down_reference(
             u = jnp.where(valid, u, 0.0)
             up = up.at[:, kk].set(u)
             h = h * u
-        return y + h[:, None] * w_down[j].astype(jnp.float32), up
+        return y + h[:, None] * w_down[j].astype(jnp.float32), up, l1 + jnp.abs(h)
 
-    init = (jnp.zeros((m, d), jnp.float32), jnp.zeros((m, k), jnp.float32))
-    y, up = jax.lax.fori_loop(0, jnp.max(nnz, initial=0), step, init)
-    return y.astype(out_dtype), (up if gated else None)
+    init = (jnp.zeros((m, d), jnp.float32), jnp.zeros((m, k), jnp.float32),
+            jnp.zeros((m,), jnp.float32))
+    y, up, l1 = jax.lax.fori_loop(0, jnp.max(nnz, initial=0), step, init)
+    return y.astype(out_dtype), (up if gated else None), l1

@@ -129,7 +129,7 @@ def numpy_up_down(x, w_up_t, w_down, gate, columns, row_nnz, gated: bool):
     x, w_up_t, w_down, gate = map(f64, (x, w_up_t, w_down, gate))
     columns, row_nnz = np.asarray(columns), np.asarray(row_nnz)
     m, k = gate.shape
-    y, up = np.zeros((m, w_down.shape[1])), np.zeros((m, k))
+    y, up, l1 = np.zeros((m, w_down.shape[1])), np.zeros((m, k)), np.zeros(m)
     for i in range(m):
         for kk in range(min(max(row_nnz[i], 0), k)):
             j = columns[i, kk]
@@ -138,7 +138,8 @@ def numpy_up_down(x, w_up_t, w_down, gate, columns, row_nnz, gated: bool):
                 up[i, kk] = x[i] @ w_up_t[j]
                 h = h * up[i, kk]
             y[i] += h * w_down[j]
-    return y, up
+            l1[i] += abs(h)
+    return y, up, l1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -154,10 +155,14 @@ def test_row_up_down_matches_numpy_and_reference(m, d, f, k, config, gated, dtyp
     x, w_up_t, w_down, gate, columns, row_nnz = make_lists(m, d, f, k, dtype, rng, garbage=True)
     if not gated:
         x = w_up_t = None
-    y, up = row_up_down(x, w_up_t, w_down, gate, columns, row_nnz, config=config)
-    want_y, want_up = numpy_up_down(x, w_up_t, w_down, gate, columns, row_nnz, gated)
+    y, up, l1 = row_up_down(x, w_up_t, w_down, gate, columns, row_nnz, config=config)
+    want_y, want_up, want_l1 = numpy_up_down(x, w_up_t, w_down, gate, columns, row_nnz, gated)
     assert y.dtype == dtype and y.shape == (m, d)
     assert_close(y, want_y, dtype, kind="kernel", what="y")
+    assert l1.dtype == jnp.float32 and l1.shape == (m,)
+    assert np.all(np.asarray(want_l1)[np.asarray(row_nnz) > 0] > 0)  # the check can fail
+    assert_close(l1, want_l1, jnp.float32 if dtype == jnp.float32 else dtype, kind="kernel",
+                 what="l1")
     if gated:
         assert up.dtype == jnp.float32 and up.shape == (m, k)
         assert_close(up, want_up, jnp.float32 if dtype == jnp.float32 else dtype, kind="kernel",
@@ -169,9 +174,10 @@ def test_row_up_down_matches_numpy_and_reference(m, d, f, k, config, gated, dtyp
     clean = make_lists(m, d, f, k, dtype, np.random.default_rng(1), garbage=False)
     if not gated:
         clean = (None, None) + clean[2:]
-    ref_y, ref_up = row_up_down_reference(*clean)
-    got_y, got_up = row_up_down(*clean, config=config)
+    ref_y, ref_up, ref_l1 = row_up_down_reference(*clean)
+    got_y, got_up, got_l1 = row_up_down(*clean, config=config)
     assert_close(got_y, ref_y, dtype, kind="kernel", what="y vs reference")
+    assert_close(got_l1, ref_l1, jnp.float32, kind="kernel", what="l1 vs reference")
     if gated:
         assert_close(got_up, ref_up, jnp.float32, kind="kernel", what="up vs reference")
 
@@ -182,9 +188,10 @@ def test_row_up_down_out_dtype_and_nan_propagation():
                                                            garbage=False)
     row_nnz = jnp.full((4,), 4, jnp.int32)
     x = x.at[1, 3].set(jnp.nan)
-    y, up = row_up_down(x, w_up_t, w_down, gate, columns, row_nnz, out_dtype=jnp.bfloat16)
+    y, up, l1 = row_up_down(x, w_up_t, w_down, gate, columns, row_nnz, out_dtype=jnp.bfloat16)
     assert y.dtype == jnp.bfloat16
     assert bool(jnp.all(jnp.isnan(y[1]))) and bool(jnp.all(jnp.isnan(up[1])))
+    assert bool(jnp.isnan(l1[1])) and bool(jnp.all(jnp.isfinite(l1[jnp.array([0, 2, 3])])))
     assert bool(jnp.all(jnp.isfinite(y[jnp.array([0, 2, 3])])))
 
 

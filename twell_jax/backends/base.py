@@ -11,8 +11,9 @@ A sparse backend (``sparse=True``) fills the four building blocks:
   pre-activation ``x @ w`` in x.dtype when the backend computed it anyway (the dense fallback
   then reuses it), else None.
 - ``up_down(x, w_up_t [F, D], w_down [F, D], gate: RowLists)`` -> ``(y [M, D] x.dtype,
-  up_values [M, K] float32)``: the gated up/down projection on the lists; with x and w_up_t
-  None the non-gated down projection ``(y [M, D] w_down.dtype, None)``.
+  up_values [M, K] float32, l1 [M] float32)``: the gated up/down projection on the lists and
+  each row's ``sum |h|`` over its first ``row_nnz`` entries (h = g * u); with x and w_up_t None
+  the non-gated down projection ``(y [M, D] w_down.dtype, None, l1)`` (h = g).
 - ``row_backward(dy [M, D], w_down, w_up_t, w_gate_t or None, gate: RowLists, up_values or
   None, l1)`` -> ``(dx [M, D] dy.dtype, du or dh [M, K] float32, dg or None)``: the per-row
   products of the backward (``pallas_kernels.row_backward`` says what they are); dx is

@@ -76,8 +76,8 @@ def _pad_up_down(x, w_up_t, w_down):
 
 
 def _row_up_down(x, w_up_t, w_down, gate: RowLists):
-    y, up = row_up_down(*_pad_up_down(x, w_up_t, w_down), *gate)
-    return y[:, :w_down.shape[1]], up
+    y, up, l1 = row_up_down(*_pad_up_down(x, w_up_t, w_down), *gate)
+    return y[:, :w_down.shape[1]], up, l1
 
 
 def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):

@@ -17,7 +17,7 @@ from pallas_kernels.scan_up_down import scan_up_down_reference
 from pallas_kernels.sparse_outer import sparse_outer_reference
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
-from twell_jax.format import pack_tiles, row_compact
+from twell_jax.format import pack_tiles, row_compact, valid_entries
 
 _F32 = jnp.float32
 
@@ -74,13 +74,15 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
 
 def _up_down(x, w_up_t, w_down, gate: RowLists):
     gate_values, columns, row_nnz = gate
+    valid = valid_entries(row_nnz, columns.shape[1])
+    l1_rows = lambda hidden: jnp.sum(jnp.where(valid, jnp.abs(hidden), 0.0), axis=1)
     if x is None:
         y = sparse_dot(gate_values, columns, row_nnz, w_down)
-        return y.astype(w_down.dtype), None
+        return y.astype(w_down.dtype), None, l1_rows(gate_values.astype(jnp.float32))
     up_values = sampled_dot(x, w_up_t, columns, row_nnz)
     hidden = gate_values.astype(jnp.float32) * up_values
     y = sparse_dot(hidden, columns, row_nnz, w_down)
-    return y.astype(x.dtype), up_values
+    return y.astype(x.dtype), up_values, l1_rows(hidden)
 
 
 def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
