@@ -157,7 +157,8 @@ def row_backward(
     Args:
       dy: [M, D] output cotangent. w_down, w_up_t, w_gate_t: [F, D] (feature-major).
       gate_values: [M, K] g (gated) or h (non-gated); up_values: [M, K] float32 u, or None.
-      columns: [M, K] int32; row_nnz: [M] int32 (entries past it never read).
+      columns: [M, K] int32; row_nnz: [M] int32 (entries past it never used; the slot after a
+        row's last entry may be loaded, within K).
       l1: [] float32, the L1 term's coefficient on sign(h) per entry.
       dx_dtype: dx's dtype: its float32 row sums are rounded to it once, in the kernel (x's
         dtype saves the FFN backward a float32 [M, D] write and a cast pass over it).
