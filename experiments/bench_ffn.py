@@ -14,7 +14,8 @@ On the H100 (the numbers in BENCHMARKS.md):
 With ``--backward`` each case times forward + backward instead (all four gradients against a
 random cotangent, dense XLA and the sparse path), checks every gradient against a float32
 HIGHEST-precision dense reference, and reports the bytes each path saves for the backward
-(``saved_residuals``; inputs excluded).
+(``saved_residuals``; inputs excluded), then the backward's kernels alone (``row_backward``,
+both ``sparse_outer`` calls) with the bytes they read and their rates.
 
 For each case (shape x sparsity pattern) it checks both paths against float64 (numpy, on a sample
 of rows, heavy rows included) before timing, then times the jitted forwards: median over
@@ -49,8 +50,10 @@ import common  # noqa: E402  (flags, header, timer summary)
 from common import flag  # noqa: E402
 
 import twell_jax as tj  # noqa: E402
+from pallas_kernels.row_backward import row_backward  # noqa: E402
 from pallas_kernels.row_pack import row_pack  # noqa: E402
 from pallas_kernels.row_up_down import row_up_down  # noqa: E402
+from pallas_kernels.sparse_outer import sparse_outer  # noqa: E402
 from pallas_kernels.scan_up_down import scan_up_down  # noqa: E402
 from twell_jax import inputs  # noqa: E402
 from twell_jax.format import heavy_rows, mask_lists  # noqa: E402
@@ -417,20 +420,67 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     # Stages alone (knob sweeps: experiments/bench_stages.py).
     mm = jax.jit(lambda a, b: jnp.dot(a, b))
     measure("stage: xla gate GEMM (x @ w_gate, bf16 out)", mm, x, w_gate, check=False)
-    f_pad = config.num_tiles(case.f) * config.tile_width
-    slots = config.max_row_nnz(case.f)
-    pre = mm(x, jnp.pad(w_gate, ((0, 0), (0, f_pad - case.f))))
-    pack = jax.jit(lambda p: row_pack(p, tile_width=config.tile_width, num_slots=slots))
+    pre, pack = _gate_and_pack(x, w_gate, config)
     measure("stage: row_pack (pre-activation -> row lists)", pack, pre, check=False,
             bytes=pre.size * pre.dtype.itemsize)
-    values, columns, counts, total = pack(pre)
-    row_nnz = jnp.where(heavy_rows(counts, config, case.f), 0, total)
-    values, columns = mask_lists(values, columns, row_nnz)
+    values, columns, row_nnz = _light_lists(pack(pre), config, case.f)
     up_down = jax.jit(lambda *a: row_up_down(*a)[0])
     measure("stage: row_up_down (light rows)", up_down, x, jnp.asarray(w_up.T), w_down, values,
             columns, row_nnz, check=False,
             bytes=int(jnp.sum(row_nnz)) * 2 * case.d * w_down.dtype.itemsize)
     return results
+
+
+def _gate_and_pack(x, w_gate, config: tj.TwELLConfig):
+    """The gate pre-activation (F padded to whole tiles, as the backend pads it) and the
+    jitted ``row_pack`` of it, as the pallas path runs them."""
+    f = w_gate.shape[1]
+    f_pad = config.num_tiles(f) * config.tile_width
+    pre = jnp.dot(x, jnp.pad(w_gate, ((0, 0), (0, f_pad - f))))
+    slots = config.max_row_nnz(f)
+    return pre, jax.jit(lambda p: row_pack(p, tile_width=config.tile_width, num_slots=slots))
+
+
+def _light_lists(packed, config: tj.TwELLConfig, f: int):
+    """``row_pack``'s output -> the light rows' lists (heavy rows get no entries)."""
+    values, columns, counts, total = packed
+    row_nnz = jnp.where(heavy_rows(counts, config, f), 0, total)
+    values, columns = mask_lists(values, columns, row_nnz)
+    return values, columns, row_nnz
+
+
+def run_backward_stages(case: Case, x, weights, dy, config: tj.TwELLConfig, timing: dict,
+                        results: list[dict], emit: Callable) -> None:
+    """The backward's kernels alone on the case's light rows, with the bytes of weight rows
+    (``row_backward``: w_down, w_up, w_gate per entry) or of gathered b rows
+    (``sparse_outer``: x or dy per entry) they read and the rate: the backward's stage table."""
+    w_gate, w_up, w_down = (w.astype(x.dtype) for w in weights)
+    pre, pack = _gate_and_pack(x, w_gate, config)
+    values, columns, row_nnz = _light_lists(pack(pre), config, case.f)
+    w_up_t, w_gate_t = jnp.asarray(w_up.T), jnp.asarray(w_gate.T)
+    _, up, _ = jax.jit(row_up_down)(x, w_up_t, w_down, values, columns, row_nnz)
+    l1 = jnp.float32(1e-4 / case.m)
+    rows = int(jnp.sum(row_nnz)) * case.d * x.dtype.itemsize  # one D-row per entry
+
+    def stage(label, fn, *fn_args, bytes):
+        def measure_into(row):
+            row.update(time_ms(fn, *fn_args, **timing))
+            row["bytes"] = bytes
+            row["TB_per_s"] = bytes / row["median_ms"] / 1e9
+        _record(case, label, results, emit, measure_into, kind="stage_bwd")
+
+    backward = jax.jit(lambda *a: row_backward(*a, dx_dtype=x.dtype))
+    stage("stage: row_backward (dh, du, dg; dx)", backward, dy, w_down, w_up_t, w_gate_t,
+          values, up, columns, row_nnz, l1, bytes=3 * rows)
+    _, du, dg = backward(dy, w_down, w_up_t, w_gate_t, values, up, columns, row_nnz, l1)
+    f = case.f
+    outer_x = jax.jit(lambda a, b, c, n, b_rows: sparse_outer((a, b), c, n, b_rows, f,
+                                                              transposed=True))
+    stage("stage: sparse_outer dW_gate + dW_up (column sort in)", outer_x, dg, du, columns,
+          row_nnz, x, bytes=rows)
+    outer_dy = jax.jit(lambda a, c, n, b_rows: sparse_outer((a,), c, n, b_rows, f))
+    stage("stage: sparse_outer dW_down (column sort in)", outer_dy,
+          values.astype(jnp.float32) * up, columns, row_nnz, dy, bytes=rows)
 
 
 def op_weights(args: BenchArgs, *weights: jax.Array) -> tuple[jax.Array, ...]:
@@ -513,6 +563,7 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
             cfg=dataclasses.replace(config, dense_fallback_density=1.0))
     if case.m <= 4096:  # the jnp reference is slow at training sizes: small cases only
         measure("reference (jnp) TwELL FFN fwd+bwd", "reference")
+    run_backward_stages(case, x, inputs[1:], dy, config, timing, results, emit)
     return results
 
 
