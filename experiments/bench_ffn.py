@@ -460,7 +460,7 @@ def run_backward_stages(case: Case, x, weights, dy, config: tj.TwELLConfig, timi
     w_up_t, w_gate_t = jnp.asarray(w_up.T), jnp.asarray(w_gate.T)
     _, up, _ = jax.jit(row_up_down)(x, w_up_t, w_down, values, columns, row_nnz)
     l1 = jnp.float32(1e-4 / case.m)
-    rows = int(jnp.sum(row_nnz)) * case.d * x.dtype.itemsize  # one D-row per entry
+    row_bytes = int(jnp.sum(row_nnz)) * case.d * x.dtype.itemsize  # one D-row per entry
 
     def stage(label, fn, *fn_args, bytes):
         def measure_into(row):
@@ -471,16 +471,16 @@ def run_backward_stages(case: Case, x, weights, dy, config: tj.TwELLConfig, timi
 
     backward = jax.jit(lambda *a: row_backward(*a, dx_dtype=x.dtype))
     stage("stage: row_backward (dh, du, dg; dx)", backward, dy, w_down, w_up_t, w_gate_t,
-          values, up, columns, row_nnz, l1, bytes=3 * rows)
+          values, up, columns, row_nnz, l1, bytes=3 * row_bytes)
     _, du, dg = backward(dy, w_down, w_up_t, w_gate_t, values, up, columns, row_nnz, l1)
     f = case.f
     outer_x = jax.jit(lambda a, b, c, n, b_rows: sparse_outer((a, b), c, n, b_rows, f,
                                                               transposed=True))
     stage("stage: sparse_outer dW_gate + dW_up (column sort in)", outer_x, dg, du, columns,
-          row_nnz, x, bytes=rows)
+          row_nnz, x, bytes=row_bytes)
     outer_dy = jax.jit(lambda a, c, n, b_rows: sparse_outer((a,), c, n, b_rows, f))
     stage("stage: sparse_outer dW_down (column sort in)", outer_dy,
-          values.astype(jnp.float32) * up, columns, row_nnz, dy, bytes=rows)
+          values.astype(jnp.float32) * up, columns, row_nnz, dy, bytes=row_bytes)
 
 
 def op_weights(args: BenchArgs, *weights: jax.Array) -> tuple[jax.Array, ...]:

@@ -78,8 +78,12 @@ def test_row_up_down_lowers(gated, config):
     assert "twell_row_up_down" in module
 
 
-@pytest.mark.parametrize("config", [None, ScanUpDownConfig(block_f=512, scan_width=256,
-                                                             block_d=128, num_warps=8)])
+@pytest.mark.parametrize("config", [
+    None,
+    ScanUpDownConfig(block_f=512, scan_width=256, block_d=128, num_warps=8),
+    # The default's shape at M = 64, D = 2048, F = 5632 (512-column slices, 4 warps).
+    ScanUpDownConfig(block_f=512, scan_width=512, block_d=128, num_warps=4, group=4),
+])
 @pytest.mark.parametrize("m", [1, 64])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_scan_up_down_lowers(gated, m, config):
