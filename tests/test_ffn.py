@@ -274,8 +274,25 @@ def test_backup_fills_its_room_with_the_densest_light_rows():
     want = {0: [0, 3], 1: [0, 3], 2: [0, 2, 3, 4], 3: [0, 1, 2, 3, 4, 6],
             4: [0, 1, 2, 3, 4, 6, 7], 5: [0, 3]}  # 0: lists alone, 5: dense (heavy only)
     for route, rows in want.items():
-        got = ffn._backup_rows(heavy, row_nnz, jnp.int32(route), sizes, 64)
+        got = ffn._backup_rows(heavy, row_nnz, jnp.int32(route), sizes, 12)
         assert np.nonzero(np.asarray(got))[0].tolist() == rows, route
+    # Random batches against the rule written out in numpy (light rows hold <= max_light).
+    rng = np.random.default_rng(5)
+    max_light, sizes = 12, (8, 16, 32)
+    for trial in range(40):
+        heavy_np = rng.random(40) < rng.uniform(0.0, 0.5)
+        nnz_np = np.where(heavy_np, rng.integers(13, 90, 40), rng.integers(0, 13, 40))
+        route = int(rng.integers(0, len(sizes) + 2))
+        size = ((0,) + sizes + (0,))[route]
+        room = size - heavy_np.sum()
+        want_rows = heavy_np.copy()
+        if room > 0:
+            t = next(t for t in range(1, max_light + 2)
+                     if np.sum(~heavy_np & (nnz_np >= t)) <= room)
+            want_rows |= ~heavy_np & (nnz_np >= t)
+        got = ffn._backup_rows(jnp.asarray(heavy_np), jnp.asarray(nnz_np, jnp.int32),
+                               jnp.int32(route), sizes, max_light)
+        assert np.array_equal(np.asarray(got), want_rows), trial
     # In a call: the filled rows leave the lists (row_nnz 0) and the result stays exact.
     x, *weights = make_ffn_inputs(3, M, D, F, "heavy_tailed", jnp.float32)
     config = dataclasses.replace(CONFIG, backup_rows=None)

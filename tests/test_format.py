@@ -122,3 +122,32 @@ def test_config_rejects_bad_values(kwargs):
 def test_pack_rejects_wrong_rank():
     with pytest.raises(ValueError, match="shape"):
         fmt.pack(jnp.zeros((2, 3, 4)))
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 6), (jnp.bfloat16, 5), (jnp.float16, 4),
+                                     (jnp.float32, 3), (jnp.int8, 8), (jnp.int8, 6)])
+def test_take_rows_and_set_rows_match_take_and_scatter(dtype, d):
+    """The backup's row gathers move 32-bit words where a row's bytes allow (odd bf16 widths
+    and int8 rows of 6 bytes stay element-wise), its writes declare unique indices: the same
+    bits as jnp.take / .at[].set, zero rows for the padding of ``heavy_row_index``, padding
+    writes dropped."""
+    rng = np.random.default_rng(d)
+    m = 11
+    a = jnp.asarray(rng.standard_normal((m, d)) * 20).astype(dtype)
+    a = a.at[3, 0].set(jnp.nan) if jnp.issubdtype(dtype, jnp.floating) else a
+    heavy = jnp.asarray(rng.random(m) < 0.5).at[3].set(True)
+    index = fmt.heavy_row_index(heavy, 8)  # more slots than heavy rows: padded with m
+    assert int(jnp.sum(index == m)) > 0
+    bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8)
+                                if jnp.dtype(v.dtype).itemsize > 1 else v).tobytes()
+    want = jnp.take(a, index, axis=0, mode="fill", fill_value=0)
+    got = jax.jit(fmt.take_rows)(a, index)
+    assert got.dtype == a.dtype and got.shape == (8, d)
+    assert bits(got) == bits(want)
+    assert not np.any(np.asarray(got[np.asarray(index) == m], np.float32))  # padding: zeros
+    rows = jnp.asarray(rng.standard_normal((8, d)) * 5, jnp.float32)
+    want = a.at[index].set(rows.astype(dtype), mode="drop")
+    got = jax.jit(fmt.set_rows)(a, index, rows)
+    assert got.dtype == a.dtype and bits(got) == bits(want)
+    light = ~np.asarray(heavy)
+    assert bits(got[light]) == bits(a[light])  # rows not indexed are untouched

@@ -41,7 +41,8 @@ from twell_jax import backends
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Backend, Implementation, RowLists
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 from twell_jax.dense import gate_pre_activation
-from twell_jax.format import column_sums, heavy_row_index, heavy_rows, mask_lists
+from twell_jax.format import (column_sums, heavy_row_index, heavy_rows, mask_lists, set_rows,
+                              take_rows)
 
 RESIDUALS_NAME = "twell_residuals"
 """The ``checkpoint_name`` of the sparse FFN's saved lists (for remat policies)."""
@@ -178,21 +179,24 @@ def _backup_branches(run, backup: jax.Array, sizes: tuple[int, ...]) -> list:
 
 
 def _backup_rows(heavy: jax.Array, row_nnz_all: jax.Array, route: jax.Array,
-                 sizes: tuple[int, ...], f: int) -> jax.Array:
+                 sizes: tuple[int, ...], max_light: int) -> jax.Array:
     """[M] bool: the rows the dense backup computes. The heavy rows, plus, where the chosen
     size leaves room, the light rows with the most active units (every light row with at
-    least some count t, t the smallest that fits): the backup computes ``size`` rows
+    least some count t, t >= 1 the smallest that fits): the backup computes ``size`` rows
     whatever it is given, so a dense row there costs nothing, and each takes its units off the
-    lists' kernels, forward and backward. ``route`` is ``_route``'s switch index."""
+    lists' kernels, forward and backward. ``route`` is ``_route``'s switch index;
+    ``max_light`` the most units a light row holds (``config.max_row_nnz``): the counts to
+    try are 1 .. max_light, so one comparison per row and count finds t (no histogram of all
+    F + 1 counts and its running sum: a scatter and two launches more)."""
     if not sizes:
         return heavy
     size = jnp.asarray((0,) + sizes + (0,), jnp.int32)[route]  # 0: lists alone, or dense
     room = size - heavy.sum(dtype=jnp.int32)
-    light = jnp.where(heavy, f + 2, jnp.clip(row_nnz_all, 0, f))  # heavy rows: out of range
-    histogram = jnp.zeros((f + 2,), jnp.int32).at[light].add(1, mode="drop")
-    # at_least[t]: light rows with at least t units (t = 0 .. f + 1; at_least[f + 1] = 0).
-    at_least = jnp.cumsum(histogram[::-1])[::-1]
-    threshold = jnp.maximum(jnp.argmax(at_least <= room), 1)  # rows without units stay
+    light = jnp.where(heavy, -1, jnp.minimum(row_nnz_all, max_light))  # heavy: below any t
+    counts = jnp.arange(1, max_light + 2, dtype=light.dtype)  # t = 1 .. max_light + 1
+    # at_least[i]: light rows with at least counts[i] units (0 for the last count).
+    at_least = jnp.sum(light[:, None] >= counts[None, :], axis=0, dtype=jnp.int32)
+    threshold = counts[jnp.argmax(at_least <= room)]
     return heavy | (light >= threshold) & (room > 0)
 
 
@@ -288,13 +292,13 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: Row
     y = y.astype(x.dtype)
     if index is None:
         return y, l1_sum, up_values
-    rows = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+    rows = take_rows(x, index)
     if pre is None:
         y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
     else:
-        pre_rows = jnp.take(pre, index, axis=0, mode="fill", fill_value=0)
+        pre_rows = take_rows(pre, index)
         y_rows, l1_rows = _dense_from_pre(rows, pre_rows, weights, gated)
-    return (y.at[index].set(y_rows, mode="drop"),
+    return (set_rows(y, index, y_rows),
             l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)), up_values)
 
 
@@ -324,7 +328,7 @@ def _twell_forward(x, params, bias, gated, implementation, config):
     if backend.cost_model_routes:
         dense = dense | _cheaper_dense(row_nnz_all, heavy, x, f, config)
     route = _route(dense, num_heavy, sizes)
-    backup = _backup_rows(heavy, row_nnz_all, route, sizes, f)
+    backup = _backup_rows(heavy, row_nnz_all, route, sizes, config.max_row_nnz(f))
     # A batch that goes dense keeps empty lists: the backward runs the lists' kernels whatever
     # the route (``_twell_backward``), and they must add nothing to the dense gradients.
     gate = _light_lists(lists, backup | dense, f, config)
@@ -396,18 +400,19 @@ def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
 def _add_backup_grads(gated: bool, r: _Residuals, dy, l1_ct, grads, index):
     """``grads`` (dx in x.dtype, the rest float32) plus the dense gradients of the backup's
     rows ``index`` [size] (padded with M), in the output dtypes (``_output_grads``). The
-    backup's rows are added to dx in place; the lists skip the backup's rows, so the rows
-    added to are zero (the add rounds nothing)."""
+    backup's rows of dx are written in place: the lists skip the backup's rows, so the
+    kernel left them zero and writing equals adding (a write with unique indices needs no
+    atomics: ``set_rows``)."""
     dx, d_weights, d_bias = grads
     valid = index < r.x.shape[0]
-    rows_x = jnp.take(r.x, index, axis=0, mode="fill", fill_value=0)
-    rows_dy = jnp.take(dy, index, axis=0, mode="fill", fill_value=0)
+    rows_x = take_rows(r.x, index)
+    rows_dy = take_rows(dy, index)
     rows_dx, rows_dw, rows_db = _dense_vjp(gated, rows_x, r.weights, r.bias, rows_dy,
                                            jnp.where(valid, l1_ct, 0.0))
     d_weights = tuple(a + b.astype(_F32) for a, b in zip(d_weights, rows_dw))
     d_bias = None if r.bias is None else d_bias + rows_db.astype(_F32)
     dx, d_weights, d_bias = _output_grads(r, (dx, d_weights, d_bias))
-    return dx.at[index].add(rows_dx.astype(dx.dtype), mode="drop"), d_weights, d_bias
+    return set_rows(dx, index, rows_dx), d_weights, d_bias
 
 
 def _output_grads(r: _Residuals, grads):

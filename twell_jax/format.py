@@ -88,6 +88,53 @@ def heavy_row_index(heavy: jax.Array, capacity: int) -> jax.Array:
     return index.astype(jnp.int32)
 
 
+def _as_words(a: jax.Array) -> jax.Array:
+    """[M, D] -> the same bytes as [M, W] uint32 (W = D * itemsize / 4) where a row's bytes
+    split into 32-bit words, else ``a`` itself. XLA's GPU gather moves one element per
+    thread: on 16-bit rows the backup's gathers ran at 0.4-1.1 TB/s on the H100 (BENCHMARKS.md,
+    run 91)."""
+    m, d = a.shape
+    itemsize = jnp.dtype(a.dtype).itemsize
+    if itemsize > 4 or (d * itemsize) % 4:
+        return a
+    if itemsize == 4:
+        return jax.lax.bitcast_convert_type(a, jnp.uint32)
+    per_word = 4 // itemsize
+    return jax.lax.bitcast_convert_type(a.reshape(m, d // per_word, per_word), jnp.uint32)
+
+
+def _from_words(words: jax.Array, like: jax.Array) -> jax.Array:
+    """Inverse of ``_as_words`` for rows of ``like``'s dtype and width: [R, W] -> [R, D]."""
+    if words.dtype == like.dtype:
+        return words
+    rows = jax.lax.bitcast_convert_type(words, like.dtype)
+    return rows.reshape(words.shape[0], like.shape[1])
+
+
+def take_rows(a: jax.Array, index: jax.Array) -> jax.Array:
+    """``a[index]`` for ``a`` [M, D] and ``index`` [R] int32 ascending (``heavy_row_index``):
+    [R, D], zero rows where ``index >= M`` (the padding). Same bits as ``jnp.take``; the rows
+    move as 32-bit words (``_as_words``)."""
+    words = jnp.take(_as_words(a), index, axis=0, mode="fill", fill_value=0,
+                     indices_are_sorted=True)
+    return _from_words(words, a)
+
+
+def set_rows(a: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
+    """``a`` [M, D] with rows ``index`` [R] (ascending, unique below M, padded with values
+    >= M: ``heavy_row_index``) replaced by ``rows`` [R, D] (cast to a.dtype); padding rows are
+    dropped. The indices are made unique (the padding spread over distinct out-of-range
+    values) and declared so: XLA then writes the rows with plain stores, where a scatter that
+    may repeat an index updates each element atomically.
+
+    Unlike ``take_rows`` the rows are written in a.dtype, not as 32-bit words: the scatter
+    updates ``a`` in place, and a word view of ``a`` would be a conversion pass over all of it
+    each way (and a copy of dx in the backward's switch: ``test_ffn``'s copy test)."""
+    m, r = a.shape[0], index.shape[0]
+    unique = jnp.where(index < m, index, m + jnp.arange(r, dtype=index.dtype))
+    return a.at[unique].set(rows.astype(a.dtype), mode="drop", unique_indices=True,
+                            indices_are_sorted=True)
+
 
 def tiles_to_dense(values: jax.Array, columns: jax.Array, counts: jax.Array, d_ff: int) -> jax.Array:
     """Scatters the stored slots back to a dense [M, d_ff] array (heavy rows incomplete)."""
