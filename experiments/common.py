@@ -26,6 +26,22 @@ from twell_jax import xla_flags
 xla_flags.use_device_conditionals()
 
 
+# The scripts' default --compile-cache; the environment's TWELL_COMPILE_CACHE replaces it
+# ('' turns the cache off: the test suite's setting, tests/conftest.py).
+DEFAULT_COMPILE_CACHE = os.environ.get("TWELL_COMPILE_CACHE", "~/.cache/twell_jax/jax")
+
+
+def use_compile_cache(path: str) -> None:
+    """Keeps the programs XLA compiles from now on in the folder ``path`` ('' to not), so a
+    rerun, or a run resumed after an interruption, loads them instead of compiling again (JAX's
+    persistent compilation cache; programs that compile in under a second are not kept). The
+    sparse models compile slowly: the 2b training step took 211-269 s on the H100
+    (BENCHMARKS.md, runs 46-61). Call it before the first computation: JAX decides at its
+    first compilation whether a process uses the cache."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+
+
 def flag(default, help: str, **kwargs) -> dataclasses.Field:
     """A dataclass field that ``flag_parser`` turns into ``--field-name`` (kwargs such as
     ``choices`` go to ``add_argument``)."""

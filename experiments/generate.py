@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train.py beside this file
 import train  # noqa: E402
+import common  # noqa: E402
 from common import flag, flag_parser  # noqa: E402
 
 from twell_jax import model as model_lib  # noqa: E402
@@ -59,6 +60,8 @@ class GenerateConfig:
     chunk: int = flag(16, "decode steps per jitted call (each chunk is printed as it comes)")
     stop: bool = flag(True, "stop at the end-of-text token (the --hf config's eos_token_id, "
                              "else the tokenizer's separator)")
+    compile_cache: str = flag(common.DEFAULT_COMPILE_CACHE, "folder that keeps the compiled "
+                              "prefill and decode loop, so a rerun skips compiling ('' for none)")
 
 
 def parse_args(argv: Sequence[str] | None) -> GenerateConfig:
@@ -146,6 +149,7 @@ class _Printer:
 def main(argv: Sequence[str] | None = None, *, quiet: bool = False) -> dict:
     """Runs the command line; returns a summary (text, tokens, timings, FFN activity)."""
     cfg = parse_args(argv)
+    common.use_compile_cache(cfg.compile_cache)
     log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     model, tokenizer, stop, description = load(cfg)
     log(f"model: {description}")

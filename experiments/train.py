@@ -49,6 +49,7 @@ from flax import nnx
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 from common import flag, flag_parser  # noqa: E402  (the scripts' shared flags)
 
 from twell_jax import model as model_lib  # noqa: E402
@@ -93,6 +94,8 @@ class TrainConfig:
                           "parameters and optimizer state over fsdp; default: all on data")
     distributed: bool = flag(False, "call jax.distributed.initialize() first (multi-host: "
                                      "one process per host; coordinator from the environment)")
+    compile_cache: str = flag(common.DEFAULT_COMPILE_CACHE, "folder that keeps the compiled "
+                              "steps, so a rerun or --resume skips compiling ('' for none)")
 
     @property
     def run_name(self) -> str:
@@ -473,6 +476,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
     ``stop_after`` ends the run after that step (saving a checkpoint), as if it were killed
     there: tests use it to check that ``--resume`` continues exactly. ``corpus`` skips loading.
     """
+    common.use_compile_cache(cfg.compile_cache)
     if cfg.distributed:
         jax.distributed.initialize()
     try:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import jax
@@ -176,6 +178,22 @@ def test_exact_resume(train, text_dir, tmp_path):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-6), ra["step"]
         assert ra["nnz_mean"] == pytest.approx(rb["nnz_mean"], rel=1e-6)
     assert a[-1]["loss"] < a[0]["loss"]
+
+
+def test_compile_cache_keeps_the_compiled_step(tmp_path):
+    """--compile-cache DIR: the run leaves its compiled training step in DIR (JAX's persistent
+    cache), which a rerun or --resume loads instead of compiling. A fresh process, as the
+    cache is decided at a process's first compilation."""
+    cache = tmp_path / "cache"
+    script = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "train.py"
+    done = subprocess.run([sys.executable, str(script), *TINY_FLAGS, "--steps", "2",
+                           "--eval-every", "0", "--ckpt-every", "0", "--out-dir",
+                           str(tmp_path / "run"), "--compile-cache", str(cache)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TWELL_COMPILE_CACHE": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    entries = [p.name for p in cache.iterdir()] if cache.is_dir() else []
+    assert any(name.startswith("jit__train_step") for name in entries), entries
 
 
 def test_main_smoke(train, text_dir, tmp_path, capsys):
