@@ -89,16 +89,14 @@ def heavy_row_index(heavy: jax.Array, capacity: int) -> jax.Array:
 
 
 def _as_words(a: jax.Array) -> jax.Array:
-    """[M, D] -> the same bytes as [M, W] uint32 (W = D * itemsize / 4) where a row's bytes
-    split into 32-bit words, else ``a`` itself. XLA's GPU gather moves one element per
+    """[M, D] of a 1- or 2-byte dtype -> the same bytes as [M, W] uint32 (W = D * itemsize /
+    4) where a row's bytes split into 32-bit words, else ``a`` itself. XLA's GPU gather moves one element per
     thread: on 16-bit rows the backup's gathers ran at 0.4-1.1 TB/s on the H100 (BENCHMARKS.md,
     run 91)."""
     m, d = a.shape
     itemsize = jnp.dtype(a.dtype).itemsize
-    if itemsize > 4 or (d * itemsize) % 4:
+    if itemsize >= 4 or (d * itemsize) % 4:  # already words, or rows that do not split
         return a
-    if itemsize == 4:
-        return jax.lax.bitcast_convert_type(a, jnp.uint32)
     per_word = 4 // itemsize
     return jax.lax.bitcast_convert_type(a.reshape(m, d // per_word, per_word), jnp.uint32)
 
@@ -124,8 +122,8 @@ def set_rows(a: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
     """``a`` [M, D] with rows ``index`` [R] (ascending, unique below M, padded with values
     >= M: ``heavy_row_index``) replaced by ``rows`` [R, D] (cast to a.dtype); padding rows are
     dropped. The indices are made unique (the padding spread over distinct out-of-range
-    values) and declared so: XLA then writes the rows with plain stores, where a scatter that
-    may repeat an index updates each element atomically.
+    values) and declared so, which lets XLA write the rows with plain stores (a scatter whose
+    indices may repeat updates each element atomically).
 
     Unlike ``take_rows`` the rows are written in a.dtype, not as 32-bit words: the scatter
     updates ``a`` in place, and a word view of ``a`` would be a conversion pass over all of it
