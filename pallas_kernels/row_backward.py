@@ -18,6 +18,8 @@ F = 5632 that is 69 MB, more than the H100's 50 MB L2, against 23 and 46 MB for 
 kernels apart: 1.20 ms against 0.33 + 0.52 ms at M = 16384 (BENCHMARKS.md run 77). The
 entries' gradients travel between them as [M, K] float32 arrays, which the function returns
 anyway. The arithmetic and its order are the one kernel's: the results are the same bits.
+``row_entry_grads`` and ``row_dx`` are the two kernels on their own (the FFN backward runs dx
+inside its route switch's branches: ``twell_jax.ffn``); ``row_backward`` runs both.
 """
 
 from __future__ import annotations
@@ -114,27 +116,109 @@ def _dx_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, gated: bool
         dx_ref[row, ch] = acc.astype(dx_ref.dtype)
 
 
-def _check_args(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns, row_nnz):
-    m, d = dy.shape
-    f = w_down.shape[0]
-    for name, w in (("w_down", w_down), ("w_up_t", w_up_t), ("w_gate_t", w_gate_t)):
+def _check_weights(f: int, d: int, **weights) -> None:
+    for name, w in weights.items():
         if w is not None and w.shape != (f, d):
             raise ValueError(f"{name} has shape {w.shape}, expected ({f}, {d})")
-    if gate_values.ndim != 2 or gate_values.shape[0] != m or columns.shape != gate_values.shape:
-        raise ValueError(f"gate_values {gate_values.shape} and columns {columns.shape} must "
-                         f"both be ({m}, K)")
-    if (w_gate_t is None) != (up_values is None):
-        raise ValueError("the gated form takes both w_gate_t and up_values, the non-gated "
-                         "form neither")
-    if up_values is not None and up_values.shape != gate_values.shape:
-        raise ValueError(f"up_values has shape {up_values.shape}, expected "
-                         f"{gate_values.shape}")
+
+
+def _check_lists(m: int, columns, row_nnz, **per_entry) -> int:
+    """Checks columns [M, K] int32, row_nnz [M] int32 and the [M, K] arrays ``per_entry``
+    (None: absent); returns K."""
+    if columns.ndim != 2 or columns.shape[0] != m:
+        raise ValueError(f"columns has shape {columns.shape}, expected ({m}, K)")
+    for name, a in per_entry.items():
+        if a is not None and a.shape != columns.shape:
+            raise ValueError(f"{name} has shape {a.shape}, expected {columns.shape} (columns')")
     if row_nnz.shape != (m,):
         raise ValueError(f"row_nnz has shape {row_nnz.shape}, expected ({m},)")
     if columns.dtype != jnp.int32 or row_nnz.dtype != jnp.int32:
         raise ValueError(f"columns and row_nnz must be int32, got {columns.dtype} and "
                          f"{row_nnz.dtype}")
-    return m, gate_values.shape[1], d
+    return columns.shape[1]
+
+
+def _kernel_params(m: int, d: int, k: int, gated: bool, config: RowUpDownConfig | None,
+                   interpret: bool | None) -> tuple[dict, dict]:
+    """(static sizes, pallas_call keywords) shared by the two kernels."""
+    config = default_row_up_down_config(d) if config is None else config
+    if d % config.block_d:
+        raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
+    sizes = dict(block_d=config.block_d, num_chunks=d // config.block_d, num_slots=k,
+                 gated=gated)
+    params = dict(grid=(m,), interpret=resolve_interpret(interpret),
+                  compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                                       num_stages=config.num_stages))
+    return sizes, params
+
+
+def row_entry_grads(
+    dy: jax.Array,
+    w_down: jax.Array,
+    gate_values: jax.Array,
+    up_values: jax.Array | None,
+    columns: jax.Array,
+    row_nnz: jax.Array,
+    l1: jax.Array,
+    *,
+    config: RowUpDownConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The per-entry gradients, the first of :func:`row_backward`'s two kernels.
+
+    Args as :func:`row_backward` (``up_values`` given: the gated form). Returns ``(du or dh
+    [M, K] float32, dg [M, K] float32 or None)``, 0 past each row's count.
+    """
+    gated = up_values is not None
+    m, d = dy.shape
+    _check_weights(w_down.shape[0], d, w_down=w_down)
+    k = _check_lists(m, columns, row_nnz, gate_values=gate_values, up_values=up_values)
+    sizes, params = _kernel_params(m, d, k, gated, config, interpret)
+    width = next_pow2(max(k, 1))
+    slots = jax.ShapeDtypeStruct((m, width), jnp.float32)
+    l1 = jnp.reshape(jnp.asarray(l1, jnp.float32), (1,))
+    grads = pl.pallas_call(
+        functools.partial(_entry_grads_kernel, width=width, **sizes),
+        out_shape=(slots, slots) if gated else (slots,),
+        name="twell_row_backward", **params,
+    )(*((dy, w_down, gate_values, up_values) if gated else (dy, w_down, gate_values)),
+      columns, row_nnz, l1)
+    return grads[0][:, :k], (grads[1][:, :k] if gated else None)
+
+
+def row_dx(
+    w_up_t: jax.Array,
+    w_gate_t: jax.Array | None,
+    d1: jax.Array,
+    d2: jax.Array | None,
+    columns: jax.Array,
+    row_nnz: jax.Array,
+    *,
+    dx_dtype=jnp.float32,
+    config: RowUpDownConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """dx [M, D] dx_dtype from the per-entry gradients, the second of :func:`row_backward`'s
+    kernels: ``dx[m] = sum_k d1[m, k] * w_up_t[j] (+ d2[m, k] * w_gate_t[j])``, j =
+    columns[m, k], over each row's first row_nnz entries, in float32, rounded once.
+
+    Args: w_up_t, w_gate_t (gated) [F, D]; d1 (du, or dh non-gated) and d2 (dg, gated) [M, K]
+    float32 as :func:`row_entry_grads` returns them; columns, row_nnz as there.
+    """
+    gated = w_gate_t is not None
+    if (d2 is None) == gated:
+        raise ValueError("the gated form takes both w_gate_t and d2, the non-gated form neither")
+    f, d = w_up_t.shape
+    _check_weights(f, d, w_gate_t=w_gate_t)
+    m = d1.shape[0]
+    k = _check_lists(m, columns, row_nnz, d1=d1, d2=d2)
+    sizes, params = _kernel_params(m, d, k, gated, config, interpret)
+    return pl.pallas_call(
+        functools.partial(_dx_kernel, **sizes),
+        out_shape=jax.ShapeDtypeStruct((m, d), dx_dtype),
+        name="twell_row_backward_dx", **params,
+    )(*((w_up_t, w_gate_t) if gated else (w_up_t,)), d1, *((d2,) if gated else ()), columns,
+      row_nnz)
 
 
 def row_backward(
@@ -152,7 +236,8 @@ def row_backward(
     config: RowUpDownConfig | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Per-row backward of the gated (w_gate_t, up_values given) or non-gated FFN.
+    """Per-row backward of the gated (w_gate_t, up_values given) or non-gated FFN: the two
+    kernels, :func:`row_entry_grads` then :func:`row_dx`.
 
     Args:
       dy: [M, D] output cotangent. w_down, w_up_t, w_gate_t: [F, D] (feature-major).
@@ -167,42 +252,25 @@ def row_backward(
       ``(dx [M, D] dx_dtype, du or dh [M, K] float32, dg [M, K] float32 or None)``, 0 past
       each row's count.
     """
-    gated = w_gate_t is not None
-    m, k, d = _check_args(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
-                          row_nnz)
-    config = default_row_up_down_config(d) if config is None else config
-    if d % config.block_d:
-        raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
-    width = next_pow2(max(k, 1))
-    sizes = dict(block_d=config.block_d, num_chunks=d // config.block_d, num_slots=k,
-                 gated=gated)
-    params = dict(grid=(m,), interpret=resolve_interpret(interpret),
-                  compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                                       num_stages=config.num_stages))
-    slots = jax.ShapeDtypeStruct((m, width), jnp.float32)
-    l1 = jnp.reshape(jnp.asarray(l1, jnp.float32), (1,))
-    grads = pl.pallas_call(
-        functools.partial(_entry_grads_kernel, width=width, **sizes),
-        out_shape=(slots, slots) if gated else (slots,),
-        name="twell_row_backward", **params,
-    )(*((dy, w_down, gate_values, up_values) if gated else (dy, w_down, gate_values)),
-      columns, row_nnz, l1)
-    dx = pl.pallas_call(
-        functools.partial(_dx_kernel, **sizes),
-        out_shape=jax.ShapeDtypeStruct((m, d), dx_dtype),
-        name="twell_row_backward_dx", **params,
-    )(*((w_up_t, w_gate_t) if gated else (w_up_t,)), *grads, columns, row_nnz)
-    if gated:
-        return dx, grads[0][:, :k], grads[1][:, :k]
-    return dx, grads[0][:, :k], None
+    if (w_gate_t is None) != (up_values is None):
+        raise ValueError("the gated form takes both w_gate_t and up_values, the non-gated "
+                         "form neither")
+    _check_weights(w_down.shape[0], dy.shape[1], w_down=w_down, w_up_t=w_up_t,
+                   w_gate_t=w_gate_t)
+    d1, d2 = row_entry_grads(dy, w_down, gate_values, up_values, columns, row_nnz, l1,
+                             config=config, interpret=interpret)
+    dx = row_dx(w_up_t, w_gate_t, d1, d2, columns, row_nnz, dx_dtype=dx_dtype, config=config,
+                interpret=interpret)
+    return dx, d1, d2
 
 
 def row_backward_reference(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
                            row_nnz, l1, *, dx_dtype=jnp.float32):
     """Plain-jnp :func:`row_backward` (same arguments and outputs), one slot at a time."""
     gated = w_gate_t is not None
-    m, k, d = _check_args(dy, w_down, w_up_t, w_gate_t, gate_values, up_values, columns,
-                          row_nnz)
+    m, d = dy.shape
+    _check_weights(w_down.shape[0], d, w_down=w_down, w_up_t=w_up_t, w_gate_t=w_gate_t)
+    k = _check_lists(m, columns, row_nnz, gate_values=gate_values, up_values=up_values)
     nnz = jnp.clip(row_nnz, 0, k)
     f32 = lambda a: a.astype(jnp.float32)
     l1 = jnp.asarray(l1, jnp.float32)

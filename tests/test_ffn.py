@@ -509,10 +509,12 @@ def test_bad_inputs_raise_with_names_and_values():
         tj.mlp(x, w_up, w_down, config={"tile_width": 32})
 
 
-def test_backward_passes_dx_through_its_switch_without_a_copy():
-    """The lists-only branch comes first in the route switch, so XLA gives the switch's
-    output dx the buffer of the kernel's dx: no branch copies it (with the dense branch first,
-    the compiled backward copied dx in the lists-only and backup branches)."""
+def test_backward_switch_does_not_copy_dx():
+    """dx is made in each branch of the backward's route switch (the backup branches write
+    their rows into it in place): no branch copies it. Passed through the switch, dx was
+    copied in every branch with the dense branch first (BENCHMARKS.md run 59), and on the GPU
+    in models of identical layers whatever the order (runs 91, 95; the CPU compiler does not
+    reproduce that one)."""
     x, *weights = make_ffn_inputs(9, M, D, F, "heavy_tailed", jnp.bfloat16)
     grad = jax.jit(jax.grad(lambda x, w: jnp.sum(tj.gated_mlp(
         x, *w, implementation="reference", config=CONFIG).astype(jnp.float32)),

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import default_interpret
-from pallas_kernels.row_backward import row_backward, row_backward_reference
+from pallas_kernels.row_backward import (row_backward, row_backward_reference, row_dx,
+                                         row_entry_grads)
 from pallas_kernels.row_up_down import RowUpDownConfig
 from tests.utils import assert_close, seed_of
 
@@ -128,3 +129,11 @@ def test_row_backward_rejects_bad_input():
         row_backward(dy, w, w, w, gate, None, cols, nnz, 0.0)
     with pytest.raises(ValueError, match="int32"):
         row_backward(dy, w, w, None, gate, None, cols.astype(jnp.int16), nnz, 0.0)
+    with pytest.raises(ValueError, match="up_values has shape"):
+        row_entry_grads(dy, w, gate, gate[:, :2], cols, nnz, 0.0)
+    with pytest.raises(ValueError, match="both w_gate_t and d2"):
+        row_dx(w, w, gate, None, cols, nnz)
+    with pytest.raises(ValueError, match="d1 has shape"):
+        row_dx(w, None, gate[:, :2], None, cols, nnz)
+    with pytest.raises(ValueError, match="w_gate_t has shape"):
+        row_dx(w, w[:, :32], gate, gate, cols, nnz)

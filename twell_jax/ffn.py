@@ -155,10 +155,12 @@ def _route(dense: jax.Array, num_heavy: jax.Array, sizes: tuple[int, ...]) -> ja
     the smallest that holds the heavy rows, ``1 + len(sizes)`` the whole batch dense.
 
     Why the lists alone come first: XLA gives a conditional's output the buffer of its first
-    branch's result. With the lists-only branch first, the backward's dx (the kernel's output,
-    which that branch passes through and the backup branches update in place) needs no copy;
-    with the dense branch first every other branch copied it (a 67 MB copy per call at M =
-    16384, D = 2048: ~46 us on the H100, BENCHMARKS.md run 59).
+    branch's result. With the lists-only branch first, the arrays that branch passes through
+    (the backward's float32 dW, computed before the switch) need no copy in one FFN; with the
+    dense branch first every other branch copied the backward's dx, then passed through too
+    (a 67 MB copy per call at M = 16384, D = 2048: ~46 us on the H100, BENCHMARKS.md run 59).
+    In a model of identical layers XLA copied the passed-through dx anyway (runs 91, 95), so
+    dx is now made in each branch (``_twell_backward``).
 
     Why one switch: on a GPU each data-dependent branch copies its index to the host and
     waits for it, so the device idles while the host launches the branch; one switch per
@@ -369,10 +371,16 @@ def _dense_vjp(gated: bool, x, weights, bias, dy, l1_ct_rows):
     return vjp((dy, l1_ct_rows))
 
 
-def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
-    """The light rows' gradients from the lists: (dx [M, D] x.dtype, d_weights, d_bias or
-    None) float32. The kernel rounds dx itself: a float32 dx would be written, then read by a
-    cast in the switch's branch (~70 us per 0.5b layer on the H100, BENCHMARKS.md run 49)."""
+class _ListGrads(NamedTuple):
+    """The lists' gradients computed before the backward's route switch."""
+    entries: tuple[jax.Array, jax.Array | None]  # (du, dg) gated, (dh, None): [M, K] float32
+    d_weights: tuple[jax.Array, ...]  # float32, in the weights' order
+    d_bias: jax.Array | None  # [F] float32
+
+
+def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct) -> _ListGrads:
+    """The light rows' per-entry gradients, dW and d bias from the lists (their dx: the
+    backend's ``row_dx`` in the backward's switch, ``_twell_backward``)."""
     x, weights, gate = r.x, r.weights, r.gate
     f = weights[0].shape[1]
     g = gate.values.astype(_F32)
@@ -380,21 +388,19 @@ def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct):
     # ``transposed``, [D, F] (w_gate's and w_up's: the kernel writes them so, no transpose).
     outer = lambda values, b, transposed=False: backend.sparse_outer(
         values, gate.columns, gate.row_nnz, b, f, transposed)
+    d1, d2 = backend.row_grads(dy, weights[-1], gate, r.up_values if gated else None, l1_ct)
     if gated:
-        w_gate, w_up, w_down = weights
-        dx, du, dg = backend.row_backward(dy, w_down, w_up.T, w_gate.T, gate, r.up_values, l1_ct)
+        du, dg = d1, d2
         (d_w_down,) = outer((g * r.up_values,), dy)
         d_w_gate, d_w_up = outer((dg, du), x, True)  # one pass over x serves both
         d_weights, d_pre = (d_w_gate, d_w_up, d_w_down), dg
     else:
-        w_up, w_down = weights
-        dx, dh, _ = backend.row_backward(dy, w_down, w_up.T, None, gate, None, l1_ct)
         (d_w_down,) = outer((g,), dy)
-        (d_w_up,) = outer((dh,), x, True)
-        d_weights, d_pre = (d_w_up, d_w_down), dh
+        (d_w_up,) = outer((d1,), x, True)
+        d_weights, d_pre = (d_w_up, d_w_down), d1
     # d bias: the pre-activation gradients summed per column.
     d_bias = None if r.bias is None else column_sums(d_pre, gate.columns, gate.row_nnz, f)
-    return dx, d_weights, d_bias
+    return _ListGrads((d1, d2), d_weights, d_bias)
 
 
 def _add_backup_grads(gated: bool, r: _Residuals, dy, l1_ct, grads, index):
@@ -433,17 +439,32 @@ def _dense_backward(gated: bool, r: _Residuals, dy, l1_ct):
 def _twell_backward(gated, implementation, config, residuals: _Residuals, cotangents):
     dy, stats_ct = cotangents
     r = residuals
+    backend = backends.get(implementation)
     l1_ct = stats_ct.l1.astype(_F32) / r.x.shape[0]  # d(l1)/dh = sign(h) / M
     sizes = _backup_sizes(r.x.shape[0], config)
     # The lists' products run once, before the switch, not in each of its sparse branches:
     # XLA compiles every Triton call on its own, so each branch's copy of the kernels cost
     # compile time (BENCHMARKS.md, run 45). When the batch went dense the lists are empty
     # (``_twell_forward``) and these cost a few launches. Every branch ends in the cast of the
-    # float32 dW to the output dtypes; dx comes in x.dtype and passes through the lists-only
-    # branch without a copy because that branch is the switch's first (``_route``).
-    grads = _list_grads(backends.get(implementation), gated, r, dy, l1_ct)
-    with_backup = lambda index: (_output_grads(r, grads) if index is None else
-                                 _add_backup_grads(gated, r, dy, l1_ct, grads, index))
+    # float32 dW to the output dtypes.
+    lists = _list_grads(backend, gated, r, dy, l1_ct)
+    # dx's kernel runs in each sparse branch instead, as the forward's up/down does: passed
+    # into the switch and through it, dx was copied at the end of every branch in the models
+    # (7 of the 0.5b model's 8 layers, whose switches called clones of one set of branches;
+    # 67 MB, ~69 us a layer at M = 16384 on the H100; BENCHMARKS.md, runs 91, 95-97). The transposed weights are made
+    # outside, where the forward's ``w_up_t`` is (made inside, they cost the FFN ~0.1 ms, run
+    # 96). The kernel rounds dx to x.dtype itself: a float32 dx would be written, then read by
+    # a cast (~70 us per 0.5b layer, run 49).
+    w_up_t = r.weights[-2].T  # (w_gate, w_up, w_down) or (w_up, w_down)
+    w_gate_t = r.weights[0].T if gated else None
+
+    def with_backup(index):
+        dx = backend.row_dx(w_up_t, w_gate_t, r.gate, *lists.entries, dy.dtype)
+        grads = (dx, lists.d_weights, lists.d_bias)
+        if index is None:
+            return _output_grads(r, grads)
+        return _add_backup_grads(gated, r, dy, l1_ct, grads, index)
+
     branches = [*_backup_branches(with_backup, r.backup, sizes),
                 functools.partial(_dense_backward, gated, r, dy, l1_ct)]
     return jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)

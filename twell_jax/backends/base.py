@@ -14,10 +14,12 @@ A sparse backend (``sparse=True``) fills the four building blocks:
   up_values [M, K] float32, l1 [M] float32)``: the gated up/down projection on the lists and
   each row's ``sum |h|`` over its first ``row_nnz`` entries (h = g * u); with x and w_up_t None
   the non-gated down projection ``(y [M, D] w_down.dtype, None, l1)`` (h = g).
-- ``row_backward(dy [M, D], w_down, w_up_t, w_gate_t or None, gate: RowLists, up_values or
-  None, l1)`` -> ``(dx [M, D] dy.dtype, du or dh [M, K] float32, dg or None)``: the per-row
-  products of the backward (``pallas_kernels.row_backward`` says what they are); dx is
-  accumulated in float32 and rounded once.
+- ``row_grads(dy [M, D], w_down [F, D], gate: RowLists, up_values or None, l1)`` -> ``(du or
+  dh [M, K] float32, dg or None)``: the per-entry gradients of the backward
+  (``pallas_kernels.row_backward`` says what they are; gated when up_values is given).
+- ``row_dx(w_up_t [F, D], w_gate_t or None, gate: RowLists, d1, d2 or None, dx_dtype)`` ->
+  dx [M, D] dx_dtype: the input gradient from ``row_grads``' outputs, accumulated in float32
+  and rounded once.
 - ``sparse_outer(values: tuple of [M, K], columns, row_nnz, b [M, D], d_ff, transposed=False)``
   -> tuple of [d_ff, D] float32 ([D, d_ff] when ``transposed``), one per values array (all
   share the pattern and b): the transposed products of the backward (dW).
@@ -63,6 +65,7 @@ class Backend:
     cost_model_routes: bool = False
     pack: Callable | None = None
     up_down: Callable | None = None
-    row_backward: Callable | None = None
+    row_grads: Callable | None = None
+    row_dx: Callable | None = None
     sparse_outer: Callable | None = None
     decode: Callable | None = None

@@ -2,12 +2,12 @@
 
 The forward: XLA's GEMM writes the gate pre-activation in x.dtype, ``row_pack`` lists each
 row's positive entries (the ReLU applied there), and ``row_up_down`` runs the up and down
-projections one program per token row. The backward's per-row products (dh, du, dg, dx) run
-on ``row_backward``, one program per token row too, and the transposed products (dW = h^T @ dy,
-(dg, du)^T @ x) on ``sparse_outer`` over a column-sorted view of the pattern. Nothing dense is
-saved for the backward. A decode step (few rows, not differentiated) runs the gate product on
-``gemv`` (its partial sums read by the next kernel) and the up/down on ``scan_up_down``, with
-no lists.
+projections one program per token row. The backward's per-row products (dh, du, dg; dx) run
+on ``row_backward``'s two kernels, one program per token row too, and the transposed products
+(dW = h^T @ dy, (dg, du)^T @ x) on ``sparse_outer`` over a column-sorted view of the pattern.
+Nothing dense is saved for the backward. A decode step (few rows, not differentiated) runs the
+gate product on ``gemv`` (its partial sums read by the next kernel) and the up/down on
+``scan_up_down``, with no lists.
 
 The kernels want block-divisible shapes; this module pads (D with zero features, which change
 no dot product; F with zero gate columns, which are never active) and slices the results back,
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pallas_kernels.gemv import gemv_partial_sums
-from pallas_kernels.row_backward import row_backward
+from pallas_kernels.row_backward import row_dx, row_entry_grads
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
 from pallas_kernels.scan_up_down import GatePartials, scan_up_down
@@ -80,14 +80,21 @@ def _row_up_down(x, w_up_t, w_down, gate: RowLists):
     return y[:, :w_down.shape[1]], up, l1
 
 
-def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
-    f, d = w_down.shape
-    d_pad = _round_up(d, _D_MULTIPLE)
-    pad_w = lambda w: None if w is None else _pad(w, (f, d_pad))
-    dx, d1, d2 = row_backward(_pad(dy, (dy.shape[0], d_pad)), pad_w(w_down), pad_w(w_up_t),
-                              pad_w(w_gate_t), gate.values, up_values, gate.columns,
-                              gate.row_nnz, l1, dx_dtype=dy.dtype)
-    return dx[:, :d], d1, d2
+def _pad_rows(w: jax.Array | None) -> jax.Array | None:
+    """A weight [F, D] with D padded to a multiple of 64 for the row kernels."""
+    return None if w is None else _pad(w, (w.shape[0], _round_up(w.shape[1], _D_MULTIPLE)))
+
+
+def _row_grads(dy, w_down, gate: RowLists, up_values, l1):
+    d_pad = _round_up(dy.shape[1], _D_MULTIPLE)
+    return row_entry_grads(_pad(dy, (dy.shape[0], d_pad)), _pad_rows(w_down), gate.values,
+                           up_values, gate.columns, gate.row_nnz, l1)
+
+
+def _row_dx(w_up_t, w_gate_t, gate: RowLists, d1, d2, dx_dtype):
+    dx = row_dx(_pad_rows(w_up_t), _pad_rows(w_gate_t), d1, d2, gate.columns, gate.row_nnz,
+                dx_dtype=dx_dtype)
+    return dx[:, :w_up_t.shape[1]]
 
 
 def _sparse_outer(values, columns, row_nnz, b, d_ff, transposed=False):
@@ -117,6 +124,7 @@ def _decode(x, w_in, bias, w_up_t, w_down):
 BACKEND = Backend(sparse=True, cost_model_routes=True,
                   pack=jax.jit(_pack, static_argnames="config"),
                   up_down=jax.jit(_row_up_down),
-                  row_backward=jax.jit(_row_backward),
+                  row_grads=jax.jit(_row_grads),
+                  row_dx=jax.jit(_row_dx, static_argnames="dx_dtype"),
                   sparse_outer=jax.jit(_sparse_outer, static_argnames=("d_ff", "transposed")),
                   decode=_decode)

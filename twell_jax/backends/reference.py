@@ -85,19 +85,23 @@ def _up_down(x, w_up_t, w_down, gate: RowLists):
     return y.astype(x.dtype), up_values, l1_rows(hidden)
 
 
-def _row_backward(dy, w_down, w_up_t, w_gate_t, gate: RowLists, up_values, l1):
-    """The backward's per-row products composed from the generic list products."""
+def _row_grads(dy, w_down, gate: RowLists, up_values, l1):
+    """The backward's per-entry gradients from the generic list products: (du, dg) gated,
+    (dh, None) non-gated."""
     gate_values, columns, row_nnz = gate
     g = gate_values.astype(jnp.float32)
     h = g if up_values is None else g * up_values
     dh = sampled_dot(dy, w_down, columns, row_nnz)
     dh = dh + l1 * jnp.sign(h)  # entries past row_nnz: h = 0, sign 0
-    if w_gate_t is None:
-        return sparse_dot(dh, columns, row_nnz, w_up_t).astype(dy.dtype), dh, None
-    du, dg = dh * g, dh * up_values
-    dx = (sparse_dot(du, columns, row_nnz, w_up_t)
-          + sparse_dot(dg, columns, row_nnz, w_gate_t))
-    return dx.astype(dy.dtype), du, dg
+    return (dh, None) if up_values is None else (dh * g, dh * up_values)
+
+
+def _row_dx(w_up_t, w_gate_t, gate: RowLists, d1, d2, dx_dtype):
+    _, columns, row_nnz = gate
+    dx = sparse_dot(d1, columns, row_nnz, w_up_t)
+    if w_gate_t is not None:
+        dx = dx + sparse_dot(d2, columns, row_nnz, w_gate_t)
+    return dx.astype(dx_dtype)
 
 
 def _decode(x, w_in, bias, w_up_t, w_down):
@@ -112,5 +116,5 @@ def _decode(x, w_in, bias, w_up_t, w_down):
     return y, l1, active
 
 
-BACKEND = Backend(sparse=True, pack=_pack, up_down=_up_down, row_backward=_row_backward,
-                  sparse_outer=sparse_outer, decode=_decode)
+BACKEND = Backend(sparse=True, pack=_pack, up_down=_up_down, row_grads=_row_grads,
+                  row_dx=_row_dx, sparse_outer=sparse_outer, decode=_decode)
