@@ -451,10 +451,10 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     # dx's kernel runs in each sparse branch instead, as the forward's up/down does: passed
     # into the switch and through it, dx was copied at the end of every branch in the models
     # (7 of the 0.5b model's 8 layers, whose switches called clones of one set of branches;
-    # 67 MB, ~69 us a layer at M = 16384 on the H100; BENCHMARKS.md, runs 91, 95-97). The transposed weights are made
-    # outside, where the forward's ``w_up_t`` is (made inside, they cost the FFN ~0.1 ms, run
-    # 96). The kernel rounds dx to x.dtype itself: a float32 dx would be written, then read by
-    # a cast (~70 us per 0.5b layer, run 49).
+    # 67 MB, ~69 us a layer at M = 16384 on the H100; BENCHMARKS.md, runs 91, 95-97). The
+    # transposed weights are made outside, where the forward's ``w_up_t`` is (made inside,
+    # they cost the FFN ~0.1 ms, run 96). The kernel rounds dx to x.dtype itself: a float32
+    # dx would be written, then read by a cast (~70 us per 0.5b layer, run 49).
     w_up_t = r.weights[-2].T  # (w_gate, w_up, w_down) or (w_up, w_down)
     w_gate_t = r.weights[0].T if gated else None
 

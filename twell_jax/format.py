@@ -90,9 +90,9 @@ def heavy_row_index(heavy: jax.Array, capacity: int) -> jax.Array:
 
 def _as_words(a: jax.Array) -> jax.Array:
     """[M, D] of a 1- or 2-byte dtype -> the same bytes as [M, W] uint32 (W = D * itemsize /
-    4) where a row's bytes split into 32-bit words, else ``a`` itself. XLA's GPU gather moves one element per
-    thread: on 16-bit rows the backup's gathers ran at 0.4-1.1 TB/s on the H100 (BENCHMARKS.md,
-    run 91)."""
+    4) where a row's bytes split into 32-bit words, else ``a`` itself. XLA's GPU gather moves
+    one element per thread: on 16-bit rows the backup's gathers ran at 0.4-1.1 TB/s on the
+    H100 (BENCHMARKS.md, run 91)."""
     m, d = a.shape
     itemsize = jnp.dtype(a.dtype).itemsize
     if itemsize >= 4 or (d * itemsize) % 4:  # already words, or rows that do not split
@@ -126,8 +126,9 @@ def set_rows(a: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
     indices may repeat updates each element atomically).
 
     Unlike ``take_rows`` the rows are written in a.dtype, not as 32-bit words: the scatter
-    updates ``a`` in place, and a word view of ``a`` would be a conversion pass over all of it
-    each way (and a copy of dx in the backward's switch: ``test_ffn``'s copy test)."""
+    updates ``a`` in place, and a word view of ``a`` was a conversion pass over all of it each
+    way on the CPU compiler (and, while dx passed through the backward's switch, a copy of it:
+    ``test_ffn``'s copy test)."""
     m, r = a.shape[0], index.shape[0]
     unique = jnp.where(index < m, index, m + jnp.arange(r, dtype=index.dtype))
     return a.at[unique].set(rows.astype(a.dtype), mode="drop", unique_indices=True,
