@@ -33,10 +33,11 @@ from pallas_kernels.sparse_outer import SparseOuterConfig, sparse_outer  # noqa:
 # row_pack (tiles_per_chunk, num_warps, num_stages)
 PACK_VARIANTS = [(4, 1, 2), (4, 1, 1), (4, 1, 3), (2, 1, 2), (4, 2, 2), (8, 1, 2)]
 UP_DOWN_VARIANTS = [(2048, 4, 1), (2048, 4, 2), (2048, 8, 1), (1024, 4, 1)]
-# sparse_outer (block_f, block_d, num_warps, num_stages); the default: the first for one
-# values array, the third for two.
-OUTER_VARIANTS = [(16, 512, 4, 1), (16, 512, 8, 1), (16, 256, 4, 1), (8, 512, 4, 1),
-                  (32, 256, 8, 1), (16, 512, 4, 2)]
+# sparse_outer (block_f, block_d, num_warps, unroll); the default: the first for one values
+# array, the second for two (8 units, 8 warps, 2 entries a step); then neighbours of runs
+# 101-102.
+OUTER_VARIANTS = [(8, 512, 8, 2), (8, 256, 8, 2), (16, 512, 4, 1), (16, 256, 4, 1),
+                  (8, 256, 4, 1), (16, 256, 8, 2), (8, 256, 4, 2)]
 
 
 def run(case_name: str, runs: int, emit, stages: tuple[str, ...] = ("forward",)) -> None:
@@ -133,8 +134,10 @@ def outer_variants(case_name, x, wg, cfg, slots, measure, emit) -> None:
         vals = (values.astype(jnp.float32), second)[:n]
         want = jax.jit(lambda v, c, r, b: sparse_outer(v, c, r, b, f))(vals, columns, row_nnz, x)
         for transposed in (False, True):
-            for bf, bd, warps, stg in OUTER_VARIANTS:
-                conf = SparseOuterConfig(block_f=bf, block_d=bd, num_warps=warps, num_stages=stg)
+            for bf, bd, warps, unroll in OUTER_VARIANTS:
+                if f % bf or d % bd:  # blocks that do not divide this case's shape
+                    continue
+                conf = SparseOuterConfig(block_f=bf, block_d=bd, num_warps=warps, unroll=unroll)
                 fn = jax.jit(lambda v, c, r, b, conf=conf, t=transposed: sparse_outer(
                     v, c, r, b, f, config=conf, transposed=t))
                 got = fn(vals, columns, row_nnz, x)
@@ -144,7 +147,7 @@ def outer_variants(case_name, x, wg, cfg, slots, measure, emit) -> None:
                 # gathered rows of b (bf16) + the [F, D] float32 outputs written
                 nbytes = entries * d * 2 + n * f * d * 4
                 measure("outer", f"n{n}_{'DxF' if transposed else 'FxD'}_f{bf}_d{bd}_w{warps}"
-                        f"_s{stg}", fn, vals, columns, row_nnz, x, nbytes=nbytes)
+                        f"_u{unroll}", fn, vals, columns, row_nnz, x, nbytes=nbytes)
 
 
 def main(argv=None):

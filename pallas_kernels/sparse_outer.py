@@ -13,12 +13,12 @@ active on half the tokens, as the busiest units of trained models are, is shared
 programs instead of serialising one: with one program per unit it took 6-8 ms on the H100
 where the whole dense FFN forward + backward takes 4.4 (BENCHMARKS.md, run 35). The kernel
 gathers rows with the roles of rows and units swapped: grid (pieces / block_f, D / block_d);
-each program owns block_f pieces x block_d features, loops k up to its longest piece, and at
-each step gathers, for each piece, the row of b named by its k-th entry (block_d contiguous
-elements: coalesced) times that entry's values, in fp32. The first F pieces are the units'
-first pieces, stored as their output rows; the later pieces of busy units store partial sums,
-which a second small kernel adds to their units' rows in piece order. Deterministic (no
-atomics). (An fp32-atomic variant without the sort took
+each program owns block_f pieces x block_d features, loops over its longest piece, and at
+each step gathers, for each piece, the rows of b named by its next ``unroll`` entries
+(block_d contiguous elements each: coalesced) times those entries' values, in fp32. The
+first F pieces are the units' first pieces, stored as their output rows; the later pieces of
+busy units store partial sums, which a second small kernel adds to their units' rows in
+piece order. Deterministic (no atomics). (An fp32-atomic variant without the sort took
 14.9 ms against 4.4 ms for the whole FFN forward + backward on the H100, and a dense GEMM on
 the scattered values 4.8 ms: BENCHMARKS.md.)
 """
@@ -38,7 +38,7 @@ from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_in
 
 
 def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, block_d: int,
-                         n_values: int, transposed: bool, unit_blocks: int):
+                         n_values: int, transposed: bool, unit_blocks: int, unroll: int):
     """One program: pieces [i * block_f, +block_f) x features [j * block_d, +block_d).
 
     Pieces [0, F) are the units' first pieces: programs i < ``unit_blocks`` store their tiles
@@ -48,6 +48,8 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
     Refs (whole arrays): per piece its first sorted entry and size [P] int32; rows [E] int32
     (entry rows sorted by unit); n_values sorted values [E]; b [M, D]; then n_values outputs
     [F, D] float32 ([D, F] when ``transposed``) and n_values partial sums [P - F, D] float32.
+    Each loop step takes ``unroll`` entries of every piece, their loads issued together: more
+    gathers in flight per program (BENCHMARKS.md, runs 101-102).
     """
     values_refs = refs[:n_values]
     b_ref = refs[n_values]
@@ -61,21 +63,27 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
     sizes = size_ref[pieces]
     dcols = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
 
-    def step(k, accs):
-        valid = k < sizes
-        entry = jnp.where(valid, starts + k, 0)
-        row = plgpu.load(rows_ref.at[entry], mask=valid, other=0)
-        bmask = jnp.broadcast_to(valid[:, None], (block_f, block_d))
-        b_rows = plgpu.load(b_ref.at[row[:, None], dcols], mask=bmask, other=0)
-        b_rows = b_rows.astype(jnp.float32)
-        out = []
-        for acc, v_ref in zip(accs, values_refs):
-            v = plgpu.load(v_ref.at[entry], mask=valid, other=0).astype(jnp.float32)
-            out.append(acc + v[:, None] * b_rows)
+    def step(s, accs):
+        ks = [s * unroll + u for u in range(unroll)]
+        valids = [k < sizes for k in ks]
+        entries = [jnp.where(valid, starts + k, 0) for valid, k in zip(valids, ks)]
+        rows = [plgpu.load(rows_ref.at[e], mask=valid, other=0)
+                for e, valid in zip(entries, valids)]
+        b_tiles = [plgpu.load(b_ref.at[row[:, None], dcols],
+                              mask=jnp.broadcast_to(valid[:, None], (block_f, block_d)),
+                              other=0)
+                   for row, valid in zip(rows, valids)]
+        out = list(accs)
+        for entry, valid, b_tile in zip(entries, valids, b_tiles):
+            b_tile = b_tile.astype(jnp.float32)
+            for n, v_ref in enumerate(values_refs):
+                v = plgpu.load(v_ref.at[entry], mask=valid, other=0).astype(jnp.float32)
+                out[n] = out[n] + v[:, None] * b_tile
         return tuple(out)
 
     zeros = tuple(jnp.zeros((block_f, block_d), jnp.float32) for _ in range(n_values))
-    accs = jax.lax.fori_loop(0, jnp.max(sizes), step, zeros)
+    longest = jnp.max(sizes)
+    accs = jax.lax.fori_loop(0, (longest + unroll - 1) // unroll, step, zeros)
     features = pl.ds(col0, block_d)
 
     @pl.when(i < unit_blocks)
@@ -89,7 +97,7 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
     # Later pieces: partial sums, stored only by a block that holds some (most blocks are
     # padding: the rows are allocated for F / 2 later pieces; the piece-adding kernel reads
     # only real pieces' rows, so the padding's rows are never written nor read).
-    @pl.when((i >= unit_blocks) & (jnp.max(sizes) > 0))
+    @pl.when((i >= unit_blocks) & (longest > 0))
     def _():
         rows = pl.ds(pl.multiple_of(piece0 - unit_blocks * block_f, block_f), block_f)
         for acc, p_ref in zip(accs, partial_refs):
@@ -152,27 +160,33 @@ class SparseOuterConfig:
       min_piece: the shortest piece a unit's column is cut into (entries; the length is
         ``max(min_piece, 2 * entries / F)``, so a column no busier than twice the mean is one
         piece).
+      unroll: entries of each piece per loop step (their row and b loads issued together).
     """
 
-    block_f: int = 16
+    block_f: int = 8
     block_d: int = 512
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 1
     min_piece: int = 64
+    unroll: int = 2
 
     def __post_init__(self):
         check_config(self, ("block_f", "block_d", "num_warps"))
-        if not isinstance(self.min_piece, int) or self.min_piece < 1:
-            raise ValueError(f"min_piece must be an int >= 1, got {self.min_piece!r}")
+        for name in ("min_piece", "unroll"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def default_sparse_outer_config(f: int, d: int, n_values: int = 1) -> SparseOuterConfig:
-    """16 units x 512 features, 4 warps, for one values array; 256 features for two or more
-    (one float32 accumulator tile per array: the same registers per program). Measured on
-    the H100 (BENCHMARKS.md, run 25; M = 16384, 28 entries per row, D = 2048, F = 5632): one
-    array 0.93 ms (8 warps 1.01, 256 features 1.15), two arrays transposed 1.12 ms (512
-    features 1.28). Blocks shrink to the largest power of two dividing f / d."""
-    return SparseOuterConfig(block_f=largest_pow2_divisor(f, 16),
+    """8 units x 512 features, 8 warps, 2 entries of each unit a step, for one values array;
+    256 features for two or more (one float32 accumulator tile per array). Measured on the
+    H100 (BENCHMARKS.md, runs 101-102; M = 16384, D = 2048, F = 5632, 28 entries per row,
+    each call with its column sort): two arrays transposed 0.53 ms against 0.72 for the
+    16 x 256, 4-warp, one-entry blocks before (0.57-0.60 with 8 units or 8 warps or two
+    entries alone), one array 0.45 against 0.51; smaller gains on the trained model's counts.
+    Blocks shrink to the largest power of two dividing f / d."""
+    return SparseOuterConfig(block_f=largest_pow2_divisor(f, 8),
                              block_d=largest_pow2_divisor(d, 512 if n_values == 1 else 256))
 
 
@@ -320,7 +334,8 @@ def sparse_outer(
     interpret = resolve_interpret(interpret)
     out = pl.pallas_call(
         functools.partial(_sparse_outer_kernel, block_f=block_f, block_d=block_d, n_values=n,
-                          transposed=transposed, unit_blocks=d_ff // block_f),
+                          transposed=transposed, unit_blocks=d_ff // block_f,
+                          unroll=config.unroll),
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _ in values]
         + [jax.ShapeDtypeStruct((n_later, d), jnp.float32) for _ in values],
         grid=((d_ff + n_later) // block_f, d // block_d),

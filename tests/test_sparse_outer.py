@@ -73,6 +73,19 @@ def test_kernel_matches_reference_and_float64(pattern, dtype, n_values, transpos
         assert_close(r, e, jnp.float32, what=f"reference {pattern}")
 
 
+@pytest.mark.parametrize("unroll", [1, 3])
+@pytest.mark.parametrize("pattern", ["uniform", "hot_column"])
+def test_entries_per_step_match_float64(unroll, pattern):
+    # Entries of each piece per loop step: with 3, a piece's last step is partly past its end
+    # (masked); short pieces (min_piece 1) make that common.
+    values, columns, row_nnz, b = make_pattern(5, pattern, jnp.bfloat16, 2)
+    expected = float64_outer(values, columns, row_nnz, b)
+    config = SparseOuterConfig(block_f=16, block_d=32, min_piece=1, unroll=unroll)
+    got = sparse_outer(values, columns, row_nnz, b, F, config=config, transposed=True)
+    for g, e in zip(got, expected):
+        assert_close(g.T, e, jnp.float32, what=f"unroll {unroll} {pattern}")
+
+
 @pytest.mark.parametrize("d_ff", [F, 70_000])  # 16-bit sort keys; 32-bit past 65,534 units
 def test_column_view_groups_entries_by_column(d_ff):
     _, columns, row_nnz, _ = make_pattern(3, "uniform", jnp.float32)
@@ -128,6 +141,8 @@ def test_bad_arguments_raise():
         sparse_outer(values, columns.astype(jnp.int16), row_nnz, b, F)
     with pytest.raises(ValueError, match="min_piece"):
         SparseOuterConfig(min_piece=0)
+    with pytest.raises(ValueError, match="unroll"):
+        SparseOuterConfig(unroll=0)
 
 
 def test_backend_gradients_equal_the_reference_backend():
