@@ -34,7 +34,8 @@ and a KV cache of ``context`` positions (bf16, the compute dtype):
   would need at the measured activity (w_gate whole, only active rows of w_up / w_down,
   B * nnz of them at most per layer), for comparison.
 - peak device memory (``memory_stats``; each case runs in its own process), energy per
-  generated token (NVML board power during the timed decode calls; null without NVML),
+  generated token (the driver's energy counter over ~3 s of decode calls after the timed
+  ones, ``bench_model.time_call``; null without NVML),
   active FFN units per token during decode (the loop's own statistics), the path the "pallas"
   FFN takes for the decode step and for the prefill (``ffn.path_for``: "decode", the list-free
   decode kernel, for steps of at most ``TwELLConfig.decode_rows`` rows; "dense" where its cost
@@ -272,10 +273,12 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
                                        if impl == "pallas" else None),
         "nnz_decode_mean": float(nnz.mean()), "nnz_decode_by_layer": nnz.mean(0).tolist(),
         "peak_bytes": peak_bytes(),
-        "energy_j": timing.get("energy_j"), "mean_power_w": timing.get("mean_power_w"),
-        "energy_note": timing.get("energy_note"),
+        **{k: timing.get(k) for k in ("energy_j", "energy_sampled_j", "energy_calls",
+                                      "mean_power_w", "mean_sm_clock_mhz",
+                                      "power_capped_fraction", "power_limit_w",
+                                      "energy_note")},
         "mj_per_token": None if timing.get("energy_j") is None
-        else timing["energy_j"] * 1e3 / (batch * steps * cfg.runs),
+        else timing["energy_j"] * 1e3 / (batch * steps * timing["energy_calls"]),
         "tokens": tokens.tolist(),
     }
     emit(row)

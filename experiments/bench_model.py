@@ -23,9 +23,10 @@ no KV cache: the FFN and projections of a decode step, not its attention over a 
 training step (loss with the L1 term, backward, AdamW) under each ``--remat`` setting (on: each
 block recomputed in the backward, the FFN outputs and the sparse lists kept; off: nothing
 recomputed; a setting that does not fit is reported as ``oom``), the FFN and attention
-sublayers alone (for the time breakdown), peak device memory and energy per token (board power
-from NVML sampled every few ms during the timed loop, integrated; the driver's energy counter as
-a cross-check). Median over ``--runs`` synchronised repetitions after two warm-up calls.
+sublayers alone (for the time breakdown), peak device memory and energy per token (the
+driver's energy counter over at least ``ENERGY_WINDOW_S`` of repeated calls after the timed
+ones, with NVML's board power, SM clock and power-limit reasons sampled every few ms beside
+it). Median over ``--runs`` synchronised repetitions after two warm-up calls.
 One JSON line per measurement goes to ``--out``; a table of xla / pallas ratios is printed last,
 training compared per setting and fastest against fastest (the honest baseline: the dense
 model trained as fast as it fits).
@@ -168,8 +169,19 @@ def _per_unit_quantile(g: jax.Array, q: jax.Array) -> jax.Array:
 # Measuring: time, memory, energy.
 
 
+ENERGY_WINDOW_S = 3.0
+"""Energy is measured over at least this long of repeated calls: NVML's board power on the
+H100 is a one-second average, and the driver's energy counter moves in steps, so a loop of a
+few short calls (0.3-0.5 s for the 0.5b model's training steps) reads them wrong, both ways."""
+
+# NVML clock event reasons (nvmlClocksEventReason*): the board holding its power limit.
+_POWER_CAP_REASONS = 0x4 | 0x80  # SW power cap, HW power brake
+
+
 class PowerSampler:
-    """Board power from NVML (ctypes; no package needed) sampled in a thread, integrated."""
+    """Board power, SM clock and clock event reasons from NVML (ctypes; no package needed),
+    sampled in a thread; energy from the driver's counter, the power samples integrated beside
+    it as a cross-check."""
 
     def __init__(self, period_s: float = 0.005):
         self.period_s = period_s
@@ -182,32 +194,69 @@ class PowerSampler:
         except Exception as e:  # no NVIDIA driver (CPU runs): energy is reported as null
             self.nvml, self.error = None, f"NVML unavailable: {e}"
 
+    @property
+    def available(self) -> bool:
+        return self.nvml is not None
+
     @staticmethod
     def _check(status: int) -> None:
         if status != 0:
             raise RuntimeError(f"NVML error {status}")
 
+    def _uint(self, name: str, *args) -> int:
+        value = ctypes.c_uint()
+        self._check(getattr(self.nvml, name)(self.handle, *args, ctypes.byref(value)))
+        return value.value
+
     def power_w(self) -> float:
-        mw = ctypes.c_uint()
-        self._check(self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(mw)))
-        return mw.value / 1e3
+        return self._uint("nvmlDeviceGetPowerUsage") / 1e3
 
     def energy_mj(self) -> int:
         mj = ctypes.c_ulonglong()
         self._check(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(mj)))
         return mj.value
 
+    def sm_clock_mhz(self) -> int:
+        """The SM clock (MHz; 0 where the driver does not report it)."""
+        try:
+            return self._uint("nvmlDeviceGetClockInfo", 1)  # NVML_CLOCK_SM
+        except RuntimeError:
+            return 0
+
+    def limits(self) -> dict:
+        """The board's power limit (W) and the SM clock's maximum (MHz), where reported."""
+        try:
+            return {"power_limit_w": self._uint("nvmlDeviceGetEnforcedPowerLimit") / 1e3,
+                    "sm_clock_max_mhz": self._uint("nvmlDeviceGetMaxClockInfo", 1)}
+        except RuntimeError:
+            return {}
+
+    def clock_reasons(self) -> int:
+        """The clock event reasons' bit mask (0 where the driver does not report them)."""
+        reasons = ctypes.c_ulonglong()
+        for name in ("nvmlDeviceGetCurrentClocksEventReasons",
+                     "nvmlDeviceGetCurrentClocksThrottleReasons"):  # the older name
+            fn = getattr(self.nvml, name, None)
+            if fn is not None and fn(self.handle, ctypes.byref(reasons)) == 0:
+                return reasons.value
+        return 0
+
+    def sample(self) -> tuple[float, float, int, int]:
+        """(time s, power W, SM clock MHz, clock event reasons)."""
+        return time.perf_counter(), self.power_w(), self.sm_clock_mhz(), self.clock_reasons()
+
     def measure(self, fn: Callable[[], None]) -> dict:
-        """Runs fn while sampling; returns joules (trapezoid over the samples), mean watts and
-        the energy counter's difference."""
-        if self.nvml is None:
+        """Runs fn while sampling; returns the energy counter's difference (``energy_j``), the
+        power samples integrated (``energy_sampled_j``, trapezoid), mean watts and SM clock,
+        and the fraction of samples in which the board held its power limit."""
+        if not self.available:
             fn()
             return {"energy_j": None, "energy_note": self.error}
         samples, stop = [], threading.Event()
 
         def sample():
             while not stop.is_set():
-                samples.append((time.perf_counter(), self.power_w()))
+                samples.append(self.sample())
                 time.sleep(self.period_s)
 
         thread = threading.Thread(target=sample, daemon=True)
@@ -217,31 +266,47 @@ class PowerSampler:
         stop.set()
         thread.join()
         counter1 = self.energy_mj()
-        t, w = np.asarray(samples).T if len(samples) > 1 else (np.zeros(2), np.zeros(2))
-        joules = float(np.sum((w[1:] + w[:-1]) / 2 * np.diff(t)))
-        return {"energy_j": joules, "mean_power_w": float(np.mean(w)),
-                "power_samples": len(samples), "energy_counter_j": (counter1 - counter0) / 1e3}
+        return summarize_power(samples, (counter1 - counter0) / 1e3, self.limits())
 
 
-def time_call(fn: Callable, runs: int, sampler: PowerSampler | None = None) -> dict:
+def summarize_power(samples: Sequence[tuple[float, float, int, int]], counter_j: float,
+                    limits: dict) -> dict:
+    """The energy fields of ``PowerSampler.measure`` from its samples (time s, power W, SM
+    clock MHz, clock event reasons) and the energy counter's difference in joules."""
+    t, w, clock, reasons = (np.asarray(a) for a in zip(*samples)) if len(samples) > 1 else (
+        np.zeros(2), np.zeros(2), np.zeros(2), np.zeros(2, np.int64))
+    capped = (reasons.astype(np.int64) & _POWER_CAP_REASONS) != 0
+    return {"energy_j": counter_j,
+            "energy_sampled_j": float(np.sum((w[1:] + w[:-1]) / 2 * np.diff(t))),
+            "mean_power_w": float(np.mean(w)), "mean_sm_clock_mhz": float(np.mean(clock)),
+            "power_capped_fraction": float(np.mean(capped)), "power_samples": len(samples),
+            **limits}
+
+
+def time_call(fn: Callable, runs: int, sampler: PowerSampler | None = None,
+              energy_window_s: float = ENERGY_WINDOW_S) -> dict:
     """Median ms of ``fn()`` (synchronised) over ``runs`` after two warm-up calls; with a
-    sampler, the energy of the whole timed loop."""
+    sampler, then the energy of ``energy_calls`` more synchronised calls, enough for
+    ``energy_window_s`` seconds (``ENERGY_WINDOW_S``; at least ``runs``)."""
     jax.block_until_ready(fn())
     jax.block_until_ready(fn())
     samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append((time.perf_counter() - t0) * 1e3)
+    timing = {**common.summarize_ms(samples), "runs": runs}
+    if sampler is None:
+        return timing
+    if not sampler.available:  # no NVML (a CPU run): no energy, no window of calls
+        return {**timing, "energy_j": None, "energy_note": sampler.error}
+    calls = max(runs, math.ceil(energy_window_s * 1e3 / max(timing["median_ms"], 1e-3)))
 
     def loop():
-        for _ in range(runs):
-            t0 = time.perf_counter()
+        for _ in range(calls):
             jax.block_until_ready(fn())
-            samples.append((time.perf_counter() - t0) * 1e3)
 
-    if sampler is None:
-        loop()
-        energy = {}
-    else:
-        energy = sampler.measure(loop)
-    return {**common.summarize_ms(samples), "runs": runs, **energy}
+    return {**timing, **sampler.measure(loop), "energy_calls": calls}
 
 
 def last_logits(model: model_lib.Transformer, tokens: jax.Array) -> jax.Array:
@@ -402,7 +467,8 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
         row = {"kind": "time", **base, "mode": mode, "shape": shape, **timing, **extra}
         row["tokens_per_s"] = tokens_per_call / (timing["median_ms"] / 1e3)
         if timing.get("energy_j") is not None:
-            row["mj_per_token"] = timing["energy_j"] * 1e3 / (tokens_per_call * timing["runs"])
+            row["mj_per_token"] = timing["energy_j"] * 1e3 / (tokens_per_call
+                                                              * timing["energy_calls"])
         emit(row)
 
     _, prefill_jitted, state = jit_over_state(last_logits, model)
@@ -551,8 +617,9 @@ def _label(r: dict) -> str:
 
 def ratio_table(rows: list[dict]) -> list[dict]:
     """One row per (preset, metric): xla, pallas and pallas / xla (tokens/s, mJ per token,
-    peak bytes). Training is also compared best against best: each model's fastest remat
-    setting that fitted (the honest baseline: the dense model as fast as it can be trained)."""
+    the energy window's mean SM clock and power-capped share, peak bytes). Training is also
+    compared best against best: each model's fastest remat setting that fitted (the honest
+    baseline: the dense model as fast as it can be trained)."""
     by_key: dict = {}
     best: dict = {}  # (preset, shape) -> {implementation: (tokens/s, remat)}
     for r in rows:
@@ -560,6 +627,9 @@ def ratio_table(rows: list[dict]) -> list[dict]:
             metrics = {f"{_label(r)} tokens/s": r["tokens_per_s"]}
             if r.get("mj_per_token") is not None:
                 metrics[f"{_label(r)} mJ/token"] = r["mj_per_token"]
+                # Whether the board held its power limit (then time follows energy).
+                metrics[f"{_label(r)} mean SM clock MHz"] = r["mean_sm_clock_mhz"]
+                metrics[f"{_label(r)} power-capped share"] = r["power_capped_fraction"]
             if r["mode"] == "train":
                 key = (r["preset"], "x".join(map(str, r["shape"])))
                 mine = best.setdefault(key, {})
@@ -602,7 +672,8 @@ def write_plot(table: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in table if r["ratio"] is not None and "(all layers)" not in r["metric"]]
+    rows = [r for r in table if r["ratio"] is not None and "(all layers)" not in r["metric"]
+            and "MHz" not in r["metric"] and "share" not in r["metric"]]
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
     labels = [f"{r['preset']} {r['metric']}" for r in rows]
     ax.barh(labels, [r["ratio"] for r in rows], color="tab:blue")

@@ -92,14 +92,21 @@ def test_remat_settings(bench):
 def test_ratio_table_fastest_training_against_fastest(bench):
     """The dense model's fastest setting is the baseline, whichever it is."""
     base = {"kind": "time", "preset": "p", "mode": "train", "shape": [8, 2048]}
+    power = {"mj_per_token": 2.0, "mean_sm_clock_mhz": 1700.0, "power_capped_fraction": 0.5}
     rows = [{**base, "implementation": "xla", "remat": True, "tokens_per_s": 100.0},
-            {**base, "implementation": "xla", "remat": False, "tokens_per_s": 130.0},
+            {**base, "implementation": "xla", "remat": False, "tokens_per_s": 130.0, **power},
             {**base, "implementation": "pallas", "remat": True, "tokens_per_s": 120.0},
-            {"kind": "oom", "preset": "p", "implementation": "pallas", "remat": False}]
+            {**base, "implementation": "pallas", "remat": False, "tokens_per_s": 90.0,
+             **power, "mj_per_token": 1.5, "mean_sm_clock_mhz": 1900.0},
+            {"kind": "oom", "preset": "p", "implementation": "pallas", "remat": True,
+             "shape": [8, 4096]}]
     table = {r["metric"]: r for r in bench.ratio_table(rows)}
     fastest = table["train 8x2048 fastest tokens/s (remat xla off, pallas on)"]
     assert fastest["ratio"] == pytest.approx(120 / 130)
     assert table["train 8x2048 remat on tokens/s"]["ratio"] == pytest.approx(1.2)
+    assert table["train 8x2048 remat off mJ/token"]["ratio"] == pytest.approx(0.75)
+    assert table["train 8x2048 remat off mean SM clock MHz"]["pallas"] == 1900.0
+    assert table["train 8x2048 remat off power-capped share"]["xla"] == 0.5
 
 
 def test_compiled_bytes_counts_donated_buffers_once(bench):
@@ -132,3 +139,44 @@ def test_timing_optimizer_computes_adamw_without_moving_weights(bench):
     assert float(state.hyperparams["learning_rate"]) == 0.0
     mu = state.inner_state[0].mu["w"]
     assert np.all(np.asarray(mu)[np.asarray(grads["w"]) != 0] != 0)  # the moments moved
+
+
+def test_power_summary(bench):
+    # (time s, power W, SM clock MHz, clock event reasons): the board at its power limit in
+    # the last two samples (SW power cap, then the HW power brake with the idle bit).
+    samples = [(0.0, 100.0, 1980, 0), (1.0, 300.0, 1700, 0x4), (2.0, 300.0, 1500, 0x81)]
+    got = bench.summarize_power(samples, 612.5, {"power_limit_w": 700.0})
+    assert got["energy_j"] == 612.5  # the driver's counter
+    assert got["energy_sampled_j"] == pytest.approx(200.0 + 300.0)  # trapezoid
+    assert got["mean_power_w"] == pytest.approx(700.0 / 3)
+    assert got["mean_sm_clock_mhz"] == pytest.approx(5180 / 3)
+    assert got["power_capped_fraction"] == pytest.approx(2 / 3)
+    assert got["power_samples"] == 3 and got["power_limit_w"] == 700.0
+
+
+def test_energy_is_measured_over_its_window(bench):
+    # The timed runs give the median; the energy comes from enough further calls to fill
+    # the window (~5 ms a call, 60 ms: ~12 calls).
+    import time
+
+    calls = []
+
+    def fn():
+        calls.append(None)
+        time.sleep(0.005)
+        return np.zeros(())
+
+    class Sampler:
+        available = True
+
+        def measure(self, loop):
+            before = len(calls)
+            loop()
+            return {"energy_j": float(len(calls) - before)}  # one joule a call
+
+    timing = bench.time_call(fn, 3, Sampler(), energy_window_s=0.06)
+    assert timing["runs"] == 3 and timing["median_ms"] >= 5.0
+    assert 3 <= timing["energy_calls"] <= 13
+    assert timing["energy_j"] == timing["energy_calls"]
+    assert len(calls) == 2 + 3 + timing["energy_calls"]  # warm-up, timed, energy
+    assert bench.time_call(fn, 2)["runs"] == 2 and "energy_j" not in bench.time_call(fn, 1)
