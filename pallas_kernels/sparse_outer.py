@@ -156,7 +156,6 @@ class SparseOuterConfig:
       block_f: units (output rows) per program (power of two).
       block_d: output features per program (power of two): the gathered segment of each b row.
       num_warps: Triton warps per program.
-      num_stages: Triton pipelining stages of the k loop.
       min_piece: the shortest piece a unit's column is cut into (entries; the length is
         ``max(min_piece, 2 * entries / F)``, so a column no busier than twice the mean is one
         piece).
@@ -166,7 +165,6 @@ class SparseOuterConfig:
     block_f: int = 8
     block_d: int = 512
     num_warps: int = 8
-    num_stages: int = 1
     min_piece: int = 64
     unroll: int = 2
 
@@ -330,7 +328,9 @@ def sparse_outer(
     rows = order // k
     sorted_values = [v.reshape(-1)[order] for v in values]
     shape = (d, d_ff) if transposed else (d_ff, d)
-    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    # One stage: Triton's pipelining of the k loop gained nothing (2 stages: same times, run
+    # 101); the loop's loads are data-dependent gathers.
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
     interpret = resolve_interpret(interpret)
     out = pl.pallas_call(
         functools.partial(_sparse_outer_kernel, block_f=block_f, block_d=block_d, n_values=n,
