@@ -286,7 +286,8 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: Row
                     counted, index):
     """Light rows on the lists, the backup's rows ``index`` [size] (None: no heavy row; see
     ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values
-    [M, K] f32 or [M, 0], ``counted`` as given: the statistics' row totals and heavy rows). ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route
+    [M, K] f32 or [M, 0], ``counted`` as given: the statistics' row totals and heavy rows).
+    ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route
     switch, where XLA can share it with the backward's. ``pre`` [M, F]: the backend's gate
     pre-activation, or None. The backup takes its rows of ``pre`` rather than redo their gate
     GEMM, as the all-dense branch does (with the sizes of ``_backup_sizes``: heavy-tailed
