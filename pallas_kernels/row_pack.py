@@ -37,14 +37,27 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_config, check_dense_tiles, resolve_interpret
 
 
-def _row_pack_kernel(pre_ref, values_ref, columns_ref, counts_ref, total_ref, *,
+def _row_pack_kernel(skip_ref, pre_ref, values_ref, columns_ref, counts_ref, total_ref, *,
                      tiles_per_chunk: int, num_chunks: int, word_bits: int, num_slots: int):
-    """One program: row ``program_id``, all its tiles in ``num_chunks`` steps.
+    """One program: row ``program_id``, all its tiles in ``num_chunks`` steps; nothing at all
+    when ``skip_ref[0]`` is set (the outputs are then unspecified).
 
-    Refs: pre [M, n_tiles, words_per_tile, word_bits] (the [M, F] pre-activation, reshaped);
-    outputs values [M, K], columns [M, K] int32, counts [M, n_tiles] int32, row_total [M] int32.
+    Refs: skip [1] int32; pre [M, n_tiles, words_per_tile, word_bits] (the [M, F]
+    pre-activation, reshaped); outputs values [M, K], columns [M, K] int32, counts
+    [M, n_tiles] int32, row_total [M] int32.
     """
-    row = pl.program_id(0)
+
+    row = pl.program_id(0)  # read outside the condition (the interpreter needs it so)
+
+    @pl.when(skip_ref[0] == 0)
+    def _():
+        _pack_row(row, pre_ref, values_ref, columns_ref, counts_ref, total_ref,
+                  tiles_per_chunk=tiles_per_chunk, num_chunks=num_chunks, word_bits=word_bits,
+                  num_slots=num_slots)
+
+
+def _pack_row(row, pre_ref, values_ref, columns_ref, counts_ref, total_ref, *, tiles_per_chunk,
+              num_chunks, word_bits, num_slots):
     words_per_tile = pre_ref.shape[2]
     tile_width = words_per_tile * word_bits
     words_shape = (tiles_per_chunk, words_per_tile)
@@ -126,7 +139,8 @@ def default_row_pack_config(m: int, f: int, tile_width: int) -> RowPackConfig:
 
 
 def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
-             config: RowPackConfig | None = None, interpret: bool | None = None):
+             config: RowPackConfig | None = None, interpret: bool | None = None,
+             skip: jax.Array | None = None):
     """Row lists of the positive entries of ``pre``.
 
     Args:
@@ -134,6 +148,9 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
       tile_width: T, the TwELL tile width (counts are per T columns).
       num_slots: K, list entries kept per row.
       config: ``default_row_pack_config`` when None; tiles_per_chunk must divide F / T.
+      skip: optional [] bool on the device: when true every program returns at once and
+        all four outputs are unspecified (a batch the caller already sends to the dense
+        path: no pass over ``pre``).
     Returns:
       values [M, K] pre.dtype, columns [M, K] int32 (valid for k < min(row_total, K), column
       order), counts [M, F / T] int32, row_total [M] int32.
@@ -163,7 +180,8 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
                                              num_stages=config.num_stages),
         interpret=resolve_interpret(interpret),
         name="twell_row_pack",
-    )(pre.reshape(m, n_tiles, tile_width // word_bits, word_bits))  # free: a view
+    )(jnp.reshape(jnp.asarray(False if skip is None else skip, jnp.int32), (1,)),
+      pre.reshape(m, n_tiles, tile_width // word_bits, word_bits))  # free: a view
 
 
 def row_pack_reference(pre: jax.Array, *, tile_width: int, num_slots: int):

@@ -522,3 +522,50 @@ def test_backward_switch_does_not_copy_dx():
     hlo = grad.lower(x, tuple(weights)).compile().as_text()
     copies = [line for line in hlo.splitlines() if f"bf16[{M},{D}]" in line and " copy(" in line]
     assert not copies, copies
+
+
+# A row cap (the default max_row_density): rows of ~20 active units of 200 are heavy.
+CAPPED = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=1.0,
+                        decode_rows=0)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("capacity", [None, 3], ids=["buckets", "fixed_capacity"])
+def test_mostly_heavy_batch_skips_the_lists_and_stays_exact(gated, capacity):
+    """A batch whose rows are mostly over the row cap goes dense without being listed
+    ("pallas": ``row_pack`` returns at once); its output, gradients and statistics are those
+    of the reference backend, which lists it and then goes dense."""
+    x, *weights = make_ffn_inputs(6, M, D, F, "uniform", jnp.float32, gated=gated,
+                                  density=0.1)
+    config = dataclasses.replace(CAPPED, backup_rows=capacity)
+    pre = x @ weights[0]
+    assert bool(tj.format.mostly_heavy(pre, config, F))  # the skip really happens
+    dy = jnp.asarray(np.random.default_rng(13).standard_normal((M, D)), jnp.float32)
+
+    def loss(x, weights, implementation):
+        y, stats = _call(gated, x, weights, implementation=implementation, config=config,
+                         return_stats=True)
+        return jnp.sum(y * dy) + 0.05 * stats.l1, (y, stats)
+
+    results = {}
+    for implementation in SPARSE_IMPLS:
+        grad = jax.jit(jax.value_and_grad(functools.partial(loss, implementation=implementation),
+                                          argnums=(0, 1), has_aux=True))
+        (_, (y, stats)), grads = grad(x, tuple(weights))
+        results[implementation] = y, stats, grads
+    y, stats, grads = results["pallas"]
+    _, want_stats, _ = results["reference"]
+    assert bool(stats.dense_fallback) and bool(want_stats.dense_fallback)
+    assert bool(stats.backup_overflow) == (capacity is not None) == bool(
+        want_stats.backup_overflow)
+    assert int(stats.heavy_rows) == int(want_stats.heavy_rows) > M // 2
+    for name in ("nnz_mean", "nnz_p99", "nnz_max"):
+        np.testing.assert_array_equal(np.asarray(getattr(stats, name)),
+                                      np.asarray(getattr(want_stats, name)), err_msg=name)
+    assert_close(stats.l1, want_stats.l1, jnp.float32, what="l1")
+    assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
+    _, vjp = jax.vjp(lambda x, w: dense_ffn_f32(x, *w), x, tuple(weights))
+    expected = vjp((dy, jnp.float32(0.05)))
+    for i, (got, want) in enumerate(zip(jax.tree_util.tree_leaves(grads),
+                                        jax.tree_util.tree_leaves(expected))):
+        assert_close(got, want, jnp.float32, kind="grad", what=f"grad {i}")

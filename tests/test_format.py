@@ -151,3 +151,18 @@ def test_take_rows_and_set_rows_match_take_and_scatter(dtype, d):
     assert got.dtype == a.dtype and bits(got) == bits(want)
     light = ~np.asarray(heavy)
     assert bits(got[light]) == bits(a[light])  # rows not indexed are untouched
+
+
+@pytest.mark.parametrize("heavy_share, expected", [(0.7, False), (0.8, True), (1.0, True)])
+def test_mostly_heavy_reads_a_sample_of_rows(heavy_share, expected):
+    # 1024 rows, sampled every 4th (256 rows); heavy rows have cap + 1 active units, light
+    # ones exactly the cap; the padded columns past d_ff are never positive.
+    config = tj.TwELLConfig(tile_width=32, slots_per_tile=4)
+    d_ff, m = 640, 1024
+    cap = config.max_row_nnz(d_ff)
+    heavy = (np.arange(m) // 4) < heavy_share * (m // 4)  # by sampled row
+    active = np.where(heavy, cap + 1, cap)
+    pre = np.where(np.arange(d_ff + 64)[None, :] < active[:, None], 1.0, -1.0)
+    pre[:, d_ff:] = 0.0
+    got = fmt.mostly_heavy(jnp.asarray(pre, jnp.bfloat16), config, d_ff)
+    assert bool(got) == expected

@@ -57,9 +57,11 @@ def export_for_cuda(fn, *args) -> str:
 
 @pytest.mark.parametrize("dtype", [BF16, jnp.float32], ids=["bf16", "f32"])
 def test_row_pack_lowers(dtype):
+    # With the device-side skip flag (a batch routed dense before listing).
     module = export_for_cuda(
-        lambda pre: row_pack(pre, tile_width=128, num_slots=88, interpret=False),
-        S((M, F), dtype))
+        lambda pre, skip: row_pack(pre, tile_width=128, num_slots=88, interpret=False,
+                                   skip=skip),
+        S((M, F), dtype), S((), jnp.bool_))
     assert "twell_row_pack" in module
     assert plgpu.CUSTOM_CALL_TARGET_NAME in module
 

@@ -79,6 +79,20 @@ def test_row_pack_matches_numpy_and_reference(m, f, t, k, config, pattern, dtype
     np.testing.assert_array_equal(np.asarray(ref[2]), want_counts)
 
 
+def test_row_pack_skip_flag():
+    # skip False lists as usual; skip True lists nothing and its outputs are unspecified, so
+    # it is only run here (test_ffn checks that a skipped batch's results are exact).
+    rng = np.random.default_rng(seed_of("row_pack_skip"))
+    pre = jnp.asarray(make_pre(8, 256, "uniform", jnp.float32, rng), jnp.float32)
+    pack = jax.jit(lambda p, s: row_pack(p, tile_width=64, num_slots=12, skip=s))
+    _, columns, counts, totals = pack(pre, jnp.asarray(False))
+    _, want_counts, want_totals = numpy_pack(np.asarray(pre), 64, 12)
+    np.testing.assert_array_equal(np.asarray(counts), want_counts)
+    np.testing.assert_array_equal(np.asarray(totals), want_totals)
+    assert want_totals.sum() > 0
+    pack(pre, jnp.asarray(True))  # runs; nothing to compare
+
+
 def test_row_pack_propagates_nan():
     pre = np.full((4, 128), -1.0, np.float32)
     pre[0, 5] = np.nan

@@ -106,21 +106,28 @@ def _dense_from_pre(x, pre, weights, gated):
     return jnp.dot(h, weights[-1]), jnp.sum(jnp.abs(h.astype(_F32)), axis=1)
 
 
+def _active_counts(active: jax.Array, config: TwELLConfig) -> tuple[jax.Array, jax.Array]:
+    """(row totals [M] int32, heavy rows [] int32) of an active mask [M, F] bool."""
+    f = active.shape[1]
+    n_tiles = config.num_tiles(f)
+    padded = jnp.pad(active, ((0, 0), (0, n_tiles * config.tile_width - f)))
+    counts = padded.reshape(active.shape[0], n_tiles, config.tile_width).sum(-1, dtype=jnp.int32)
+    return (active.sum(axis=1, dtype=jnp.int32),
+            heavy_rows(counts, config, f).sum(dtype=jnp.int32))
+
+
 def _stats_from_active(active: jax.Array, l1_rows: jax.Array, config: TwELLConfig) -> FFNStats:
     """Statistics of a call that computed every row without lists (dense, or the decode path):
     ``active`` [M, F] bool, ``l1_rows`` [M] float32. ``heavy_rows`` counts the rows the format
     would send to the dense backup."""
     f = active.shape[1]
-    n_tiles = config.num_tiles(f)
-    padded = jnp.pad(active, ((0, 0), (0, n_tiles * config.tile_width - f)))
-    counts = padded.reshape(active.shape[0], n_tiles, config.tile_width).sum(-1, dtype=jnp.int32)
-    nnz = active.sum(axis=1, dtype=jnp.int32)
+    nnz, num_heavy = _active_counts(active, config)
     return FFNStats(
         nnz_mean=jnp.mean(nnz.astype(_F32)),
         nnz_p99=_p99(nnz, f),
         nnz_max=jnp.max(nnz),
         l1=jnp.mean(l1_rows),
-        heavy_rows=heavy_rows(counts, config, f).sum(dtype=jnp.int32),
+        heavy_rows=num_heavy,
         backup_overflow=jnp.asarray(False),
         dense_fallback=jnp.asarray(False),
     )
@@ -276,10 +283,11 @@ def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig) 
 
 
 def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: RowLists, pre,
-                    index):
+                    counted, index):
     """Light rows on the lists, the backup's rows ``index`` [size] (None: no heavy row; see
     ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values
-    [M, K] f32 or [M, 0]). ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route
+    [M, K] f32 or [M, 0], ``counted`` as given: the statistics' row totals and heavy rows).
+    ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route
     switch, where XLA can share it with the backward's. ``pre`` [M, F]: the backend's gate
     pre-activation, or None. The backup takes its rows of ``pre`` rather than redo their gate
     GEMM, as the all-dense branch does (with the sizes of ``_backup_sizes``: heavy-tailed
@@ -293,7 +301,7 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: Row
     l1_sum = jnp.sum(l1_rows)  # the backup's rows have no entries: 0
     y = y.astype(x.dtype)
     if index is None:
-        return y, l1_sum, up_values
+        return y, l1_sum, up_values, counted
     rows = take_rows(x, index)
     if pre is None:
         y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
@@ -301,16 +309,20 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: Row
         pre_rows = take_rows(pre, index)
         y_rows, l1_rows = _dense_from_pre(rows, pre_rows, weights, gated)
     return (set_rows(y, index, y_rows),
-            l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)), up_values)
+            l1_sum + jnp.sum(jnp.where(index < m, l1_rows, 0.0)), up_values, counted)
 
 
-def _dense_forward(x, weights, bias, gated, pre, up_slots: int):
-    """The whole batch dense: (y [M, D] x.dtype, l1 sum [] f32, zero up_values [M, up_slots])."""
+def _dense_forward(x, weights, bias, gated, pre, up_slots: int, counted, config=None):
+    """The whole batch dense: (y [M, D] x.dtype, l1 sum [] f32, zero up_values [M, up_slots],
+    (row totals [M], heavy rows [])): the ``counted`` ones, or with ``config`` (a batch the
+    backend did not list: ``skipped``) counted here from ``pre``."""
     if pre is None:
         y, l1_rows, _ = _dense_rows(x, weights, bias, gated)
     else:  # the backend already paid for the gate GEMM: reuse its output
         y, l1_rows = _dense_from_pre(x, pre, weights, gated)
-    return y, jnp.sum(l1_rows), jnp.zeros((x.shape[0], up_slots), _F32)
+    if config is not None:
+        counted = _active_counts(jnp.logical_not(pre <= 0), config)  # > 0 or NaN, as packed
+    return y, jnp.sum(l1_rows), jnp.zeros((x.shape[0], up_slots), _F32), counted
 
 
 def _twell_forward(x, params, bias, gated, implementation, config):
@@ -318,15 +330,17 @@ def _twell_forward(x, params, bias, gated, implementation, config):
     weights = _compute_weights(x, params)
     m = x.shape[0]
     f = weights[0].shape[1]
-    lists, counts, pre = backend.pack(x, weights[0], bias, config)
+    lists, counts, pre, skipped = backend.pack(x, weights[0], bias, config)
+    if skipped is not None:  # nothing listed: the counts are unspecified
+        counts = jnp.where(skipped, 0, counts)
     heavy = heavy_rows(counts, config, f)
     num_heavy = heavy.sum(dtype=jnp.int32)
     row_nnz_all = counts.sum(axis=1, dtype=jnp.int32)
     sizes = _backup_sizes(m, config)
-    beyond = num_heavy > (sizes[-1] if sizes else 0)
-    # An overflow is a fixed capacity exceeded; past the largest bucket the batch goes dense.
-    overflow = beyond if config.backup_rows is not None else jnp.asarray(False)
-    dense = beyond
+    capacity = sizes[-1] if sizes else 0
+    dense = num_heavy > capacity  # past the largest bucket the batch goes dense
+    if skipped is not None:
+        dense = dense | skipped
     if backend.cost_model_routes:
         dense = dense | _cheaper_dense(row_nnz_all, heavy, x, f, config)
     route = _route(dense, num_heavy, sizes)
@@ -336,18 +350,28 @@ def _twell_forward(x, params, bias, gated, implementation, config):
     gate = _light_lists(lists, backup | dense, f, config)
 
     w_up_t = weights[1].T if gated else None
+    counted = (row_nnz_all, num_heavy)
     sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, w_up_t, gate,
-                               pre)
+                               pre, counted)
     dense_branch = functools.partial(_dense_forward, x, weights, bias, gated, pre,
-                                     gate.values.shape[1] if gated else 0)
-    y, l1_sum, up_values = jax.lax.switch(route,
-                                          [*_backup_branches(sparse, backup, sizes), dense_branch])
+                                     gate.values.shape[1] if gated else 0, counted)
+    branches = [*_backup_branches(sparse, backup, sizes), dense_branch]
+    if skipped is not None:
+        # A batch the backend did not list has its statistics' counts only from a pass over
+        # ``pre``, which only this last branch makes (the dense branch above reuses the
+        # pack's counts): one switch still, no condition inside a branch.
+        branches.append(functools.partial(dense_branch, config=config))
+        route = jnp.where(skipped, len(branches) - 1, route)
+    y, l1_sum, up_values, (nnz, num_heavy_out) = jax.lax.switch(route, branches)
+    # An overflow is a fixed capacity exceeded.
+    overflow = ((num_heavy_out > capacity) if config.backup_rows is not None
+                else jnp.asarray(False))
     stats = FFNStats(
-        nnz_mean=jnp.mean(row_nnz_all.astype(_F32)),
-        nnz_p99=_p99(row_nnz_all, f),
-        nnz_max=jnp.max(row_nnz_all),
+        nnz_mean=jnp.mean(nnz.astype(_F32)),
+        nnz_p99=_p99(nnz, f),
+        nnz_max=jnp.max(nnz),
         l1=l1_sum / m,
-        heavy_rows=num_heavy,
+        heavy_rows=num_heavy_out,
         backup_overflow=overflow,
         dense_fallback=dense,
     )

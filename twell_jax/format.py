@@ -81,6 +81,18 @@ def heavy_rows(counts: jax.Array, config: TwELLConfig, d_ff: int) -> jax.Array:
     return over_tile | (counts.sum(axis=-1) > config.max_row_nnz(d_ff))
 
 
+def mostly_heavy(pre: jax.Array, config: TwELLConfig, d_ff: int, sample_rows: int = 256,
+                 share: float = 0.75) -> jax.Array:
+    """[] bool: more than ``share`` of a sample of rows of the pre-activation ``pre`` [M, F']
+    (F' >= d_ff, padded columns never positive) hold more active units than a light row may
+    (``config.max_row_nnz``): the batch will go dense (past half its rows heavy), so there is
+    no point in listing it. Every (M / sample_rows)-th row is read; the tile limit is not
+    checked, so the heavy share is never overestimated."""
+    stride = max(1, pre.shape[0] // sample_rows)
+    active = jnp.sum(jnp.logical_not(pre[::stride] <= 0), axis=1, dtype=jnp.int32)
+    return jnp.mean((active > config.max_row_nnz(d_ff)).astype(jnp.float32)) > share
+
+
 def heavy_row_index(heavy: jax.Array, capacity: int) -> jax.Array:
     """[capacity] int32: the first ``capacity`` heavy rows in ascending order, padded with M."""
     m = heavy.shape[0]

@@ -3,13 +3,15 @@
 A sparse backend (``sparse=True``) fills the four building blocks:
 
 - ``pack(x [M, D], w [D, F], bias [F] or None, config)`` -> ``(lists: RowLists, counts [M,
-  n_tiles] int32, pre)``: the positive entries of ``relu(x @ w + bias)`` listed per row in
-  column order (``lists.values`` [M, K] x.dtype, ``lists.columns`` [M, K] int32,
+  n_tiles] int32, pre, skipped)``: the positive entries of ``relu(x @ w + bias)`` listed per
+  row in column order (``lists.values`` [M, K] x.dtype, ``lists.columns`` [M, K] int32,
   ``lists.row_nnz`` [M] int32 the true row totals) and the true per-tile counts. Only light
   rows' lists (``format.heavy_rows`` false; K >= ``config.max_row_nnz(F)`` or every tile's S
   slots) must be valid, and only their first ``row_nnz`` entries; ``pre`` is the dense [M, F]
   pre-activation ``x @ w`` in x.dtype when the backend computed it anyway (the dense fallback
-  then reuses it), else None.
+  then reuses it), else None. ``skipped``: None, or (a backend that returns ``pre``) a [] bool
+  that, when true, says the batch is mostly heavy rows (``format.mostly_heavy``) and nothing
+  was listed: lists and counts are then unspecified and the batch goes dense.
 - ``up_down(x, w_up_t [F, D], w_down [F, D], gate: RowLists)`` -> ``(y [M, D] x.dtype,
   up_values [M, K] float32, l1 [M] float32)``: the gated up/down projection on the lists and
   each row's ``sum |h|`` over its first ``row_nnz`` entries (h = g * u); with x and w_up_t None

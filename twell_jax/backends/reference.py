@@ -69,7 +69,7 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
     values, columns, counts = pack_tiles(gate, config.tile_width, config.slots_per_tile)
     values, columns, _ = row_compact(values.astype(x.dtype), columns, counts,
                                      config.slots_per_tile)
-    return RowLists(values, columns, counts.sum(axis=1, dtype=jnp.int32)), counts, None
+    return RowLists(values, columns, counts.sum(axis=1, dtype=jnp.int32)), counts, None, None
 
 
 def _up_down(x, w_up_t, w_down, gate: RowLists):
