@@ -569,3 +569,23 @@ def test_mostly_heavy_batch_skips_the_lists_and_stays_exact(gated, capacity):
     for i, (got, want) in enumerate(zip(jax.tree_util.tree_leaves(grads),
                                         jax.tree_util.tree_leaves(expected))):
         assert_close(got, want, jnp.float32, kind="grad", what=f"grad {i}")
+
+
+@pytest.mark.parametrize("f", [384, 300], ids=["whole_tiles", "cut_tile"])
+def test_active_counts_match_a_per_row_count(f):
+    """``_active_counts`` (the statistics of a batch counted without lists): row totals and
+    heavy rows as counted row by row in numpy, with a last tile cut short, a row over a tile's
+    slots and a row over the row cap."""
+    config = tj.TwELLConfig(tile_width=128, slots_per_tile=8, max_row_density=1 / 16)
+    rng = np.random.default_rng(5)
+    active = rng.random((40, f)) < 0.03
+    active[3, 130:140] = True  # 10 in one tile: over its 8 slots
+    active[7] = False
+    active[7, ::12] = True  # spread out: over the row cap only
+    active[9] = False  # no active unit
+    totals, heavy = ffn._active_counts(jnp.asarray(active), config)
+    tiles = [active[:, t:t + 128].sum(axis=1) for t in range(0, f, 128)]
+    want_heavy = (np.max(tiles, axis=0) > 8) | (active.sum(axis=1) > config.max_row_nnz(f))
+    assert want_heavy[3] and want_heavy[7] and not want_heavy[9]
+    np.testing.assert_array_equal(np.asarray(totals), active.sum(axis=1))
+    assert int(heavy) == int(want_heavy.sum())

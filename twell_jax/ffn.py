@@ -107,13 +107,20 @@ def _dense_from_pre(x, pre, weights, gated):
 
 
 def _active_counts(active: jax.Array, config: TwELLConfig) -> tuple[jax.Array, jax.Array]:
-    """(row totals [M] int32, heavy rows [] int32) of an active mask [M, F] bool."""
-    f = active.shape[1]
-    n_tiles = config.num_tiles(f)
-    padded = jnp.pad(active, ((0, 0), (0, n_tiles * config.tile_width - f)))
-    counts = padded.reshape(active.shape[0], n_tiles, config.tile_width).sum(-1, dtype=jnp.int32)
-    return (active.sum(axis=1, dtype=jnp.int32),
-            heavy_rows(counts, config, f).sum(dtype=jnp.int32))
+    """(row totals [M] int32, heavy rows [] int32) of an active mask [M, F] bool.
+
+    The per-tile counts are the mask's one reduction and the row totals are summed from
+    them; a last tile cut short is summed on its own rather than padded to a copy. (It timed
+    as the two-reduction version it replaced on the 2% uniform forward: BENCHMARKS.md, run
+    113.)"""
+    m, f = active.shape
+    width = config.tile_width
+    full = f // width
+    counts = active[:, :full * width].reshape(m, full, width).sum(-1, dtype=jnp.int32)
+    if f % width:  # the last tile's columns, not padded to a copy
+        rest = active[:, full * width:].sum(axis=1, keepdims=True, dtype=jnp.int32)
+        counts = jnp.concatenate([counts, rest], axis=1)
+    return counts.sum(axis=1), heavy_rows(counts, config, f).sum(dtype=jnp.int32)
 
 
 def _stats_from_active(active: jax.Array, l1_rows: jax.Array, config: TwELLConfig) -> FFNStats:
