@@ -61,7 +61,7 @@ class TwELLConfig:
         0.64 non-zeros on average and P(count > 8) ~ 1e-9, so uniform rows are never heavy.
       backup_rows: capacity of the dense backup in rows. ``None`` (default): no fixed
         capacity; the backup is sized at run time from static buckets (M/64, M/32, M/16,
-        M/8, 3M/16, M/4, M/2), so it costs at most twice the heavy rows' dense work and
+        M/8, 3M/16, M/4, 5M/16, M/2), so it costs at most twice the heavy rows' dense work and
         never overflows; past M/2 heavy rows the whole batch goes dense. An int:
         at most that many heavy rows take the backup; if more rows are heavy, the whole
         batch takes the exact dense path and the statistics report ``backup_overflow``.
@@ -71,8 +71,11 @@ class TwELLConfig:
         even if no tile overflows: such a row is cheaper in the dense backup (dense GEMMs on the
         tensor cores) than as gathered weight rows. On the H100 a gathered non-zero moves two
         4 KB rows (~2 ns at the measured ~4-5 TB/s) while a dense row costs ~0.1 us of GEMM,
-        so the break-even is near 60 of 5632 units; the default 1/64 (88 of 5632) keeps every
-        uniform ~28-unit token sparse and sends the heavy tail to the backup. ``1.0`` disables.
+        so the break-even is near 60 of 5632 units; the default 1/96 (58 of 5632) keeps every
+        uniform ~28-unit token sparse and sends the heavy tail to the backup. (H100, M =
+        16384, against 1/64: our trained model's counts -4% forward, -3% forward + backward;
+        the heavy-tailed case +9% / +1.3%; uniform rows unchanged: BENCHMARKS.md, run 115.)
+        ``1.0`` disables.
       dense_fallback_density: only for ``implementation="pallas"``: when the whole batch is
         cheaper dense, the up/down projections run as dense GEMMs (decided on the device from
         the counts, after the gate). ``None`` (default): decided by ``cost_model`` from the
@@ -94,7 +97,7 @@ class TwELLConfig:
     tile_width: int = 128
     slots_per_tile: int = 8
     backup_rows: int | None = None
-    max_row_density: float = 1 / 64
+    max_row_density: float = 1 / 96
     dense_fallback_density: float | None = None
     cost_model: CostModel = dataclasses.field(default_factory=lambda: CostModel())
     decode_rows: int = 64

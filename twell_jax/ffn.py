@@ -154,13 +154,14 @@ def _backup_sizes(m: int, config: TwELLConfig) -> tuple[int, ...]:
     if config.backup_rows is not None:
         capacity = min(config.backup_rows, m)
         return (capacity,) if capacity > 0 else ()
-    # M/64 to M/2 in factor-2 steps, plus 3M/16: the backup computes at most twice the heavy
-    # rows, and at most 4/3 of them around a sixth of the batch heavy, where trained models'
-    # tails put it (M = 16384: 2,263 heavy rows on bench_ffn's trained case, 3,124 on the
-    # heavy-tailed one); its spare rows take the densest light rows (``_backup_rows``). Past
-    # M/2 the whole batch goes dense, which reuses the gate GEMM and costs no more than a
-    # backup of M rows would.
-    return tuple(sorted({max(1, -(-m * n // 64)) for n in (1, 2, 4, 8, 12, 16, 32)}))
+    # M/64 to M/2 in factor-2 steps, plus 3M/16 and 5M/16: the backup computes at most twice
+    # the heavy rows, and at most 4/3 and 5/4 of them around a sixth and a quarter of the
+    # batch heavy, where trained models' tails put it (M = 16384, the row cap at 58 units:
+    # 3,959 heavy rows on bench_ffn's trained case, 4,101 on the heavy-tailed one, which
+    # without 5M/16 spilled into the M/2 backup: +13% forward, BENCHMARKS.md run 109); its
+    # spare rows take the densest light rows (``_backup_rows``). Past M/2 the whole batch
+    # goes dense, which reuses the gate GEMM and costs no more than a backup of M rows would.
+    return tuple(sorted({max(1, -(-m * n // 64)) for n in (1, 2, 4, 8, 12, 16, 20, 32)}))
 
 
 def _route(dense: jax.Array, num_heavy: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
@@ -294,10 +295,10 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: Row
     """Light rows on the lists, the backup's rows ``index`` [size] (None: no heavy row; see
     ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values
     [M, K] f32 or [M, 0], ``counted`` as given: the statistics' row totals and heavy rows).
-    ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route
-    switch, where XLA can share it with the backward's. ``pre`` [M, F]: the backend's gate
-    pre-activation, or None. The backup takes its rows of ``pre`` rather than redo their gate
-    GEMM, as the all-dense branch does (with the sizes of ``_backup_sizes``: heavy-tailed
+    ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route switch (the backward
+    makes its own: two transposes in a forward + backward, BENCHMARKS.md run 114). ``pre``
+    [M, F]: the backend's gate pre-activation, or None. The backup takes its rows of ``pre``
+    rather than redo their gate GEMM, as the all-dense branch does (with the sizes of ``_backup_sizes``: heavy-tailed
     forward 1.60 -> 1.43 ms on the H100, BENCHMARKS.md run 80)."""
     m = x.shape[0]
     if gated:
