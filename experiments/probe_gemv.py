@@ -7,6 +7,9 @@ of weights at the defaults), bias a threshold (about 0.5% of the outputs positiv
 * ``xla gate_pre_activation``: ``twell_jax.dense.gate_pre_activation`` (the current path: XLA's
   dot with a float32 output, the bias added before one rounding to bf16);
 * ``xla jnp.dot f32``: a plain ``jnp.dot(x, w, preferred_element_type=float32)``;
+* ``xla jnp.dot bf16 + bias``: as a plain Flax layer (bf16 product, then the bias in bf16);
+* ``xla jnp.dot f32, barrier, + bias``: gate_pre_activation's numerics, the product kept out
+  of a fusion with the bias add;
 * ``gemv ...``: ``pallas_kernels.gemv`` under several configs (the default first, then
   a sweep of column blocks, D steps, D splits, warps and stages);
 * ``loop overhead``: the same loop with an identity in place of the product.
@@ -24,7 +27,7 @@ their M's share of ``--budget-s`` are recorded as skipped.
     python experiments/probe_gemv.py           # H100, ~1-2 minutes
     python experiments/probe_gemv.py --smoke   # CPU, interpret mode, tiny shapes
 
-Rows go to ``$OUT/gemv_probe.jsonl`` (the current directory when $OUT is unset); a table is
+Rows go to ``$OUT/gemv_probe_{D}x{F}.jsonl`` (the current directory when $OUT is unset); a table is
 printed last.
 """
 
@@ -161,6 +164,15 @@ def main() -> None:
              True),
             ("xla jnp.dot f32 (no bias)",
              lambda x, w, b: jnp.dot(x, w, preferred_element_type=jnp.float32), None, False),
+            # As a plain Flax layer computes it: bf16 product, bf16 bias add (two roundings).
+            ("xla jnp.dot bf16 + bias (Flax)",
+             lambda x, w, b: jnp.dot(x, w) + b.astype(x.dtype), None, True),
+            # gate_pre_activation's numerics with the product kept out of a fusion with the
+            # bias add (XLA may then pick cuBLAS for the float32-output product).
+            ("xla jnp.dot f32, barrier, + bias",
+             lambda x, w, b: (jax.lax.optimization_barrier(
+                 jnp.dot(x, w, preferred_element_type=jnp.float32)) + b).astype(x.dtype),
+             None, True),
         ]
         default = default_gemv_config(m, d, f)
         sweep = [c for c in SWEEP.get(m, []) if c.block_f <= f]
