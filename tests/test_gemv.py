@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels.gemv import (GemvConfig, default_gemv_config, finish_partial_sums, gemv,
                                  gemv_many, gemv_partial_sums, gemv_reference)
+from twell_jax import dense
 from tests.utils import assert_close, seed_of
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
@@ -70,6 +71,34 @@ def test_gemv_matches_numpy_and_reference(m, d, f, config, bias, dtype):
         got = np.asarray(pre, np.float32)
         assert np.array_equal(got[clear] > 0, want[clear] > 0)
         assert 0.0 < np.mean(want > 0) < 0.2
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_pre_activation_on_gemv(m, dtype):
+    """``dense.gate_pre_activation``'s few-row biased product on ``gemv`` (its path on a GPU
+    below 8 rows) against the float32 form it replaces and float64, forward and gradients."""
+    rng = np.random.default_rng(seed_of("gate_on_gemv", m, str(dtype)))
+    x, w, b = make_inputs(m, 200, 330, dtype, "threshold", rng)
+    b = b.astype(dtype)
+    on_gemv = dense.gate_pre_activation(x, w, b, kernel=True)
+    plain = dense.gate_pre_activation(x, w, b, kernel=False)
+    assert on_gemv.shape == (m, 330) and on_gemv.dtype == dtype
+    assert_close(on_gemv, numpy_gate(x, w, b), dtype, kind="ffn", what="gemv gate vs float64")
+    assert_close(on_gemv, plain, dtype, kind="kernel", what="gemv gate vs the float32 form")
+    cotangent = jnp.asarray(rng.standard_normal((m, 330)), jnp.float32)
+
+    def loss(kernel):
+        return lambda *args: jnp.sum(
+            dense.gate_pre_activation(*args, kernel=kernel).astype(jnp.float32) * cotangent)
+    grads = jax.grad(loss(True), argnums=(0, 1, 2))(x, w, b)
+    want = jax.grad(loss(False), argnums=(0, 1, 2))(x, w, b)
+    for name, g, ref in zip(("dx", "dw", "d_bias"), grads, want):
+        assert g.dtype == ref.dtype
+        assert_close(g, np.asarray(ref, np.float64), dtype, kind="kernel", what=name)
+    # Compiled for a GPU only: on the CPU (interpret mode) and at 8 rows XLA's product runs.
+    assert not dense._few_rows_on_gemv(1) or jax.default_backend() == "gpu"
+    assert not dense._few_rows_on_gemv(8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,12 +7,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gemv import gemv_many
+from pallas_kernels.common import default_interpret
+from pallas_kernels.gemv import FEW_ROWS, gemv, gemv_many
 
 _K_MULTIPLE = 64  # the GEMM's contraction length is padded to this (tensor-core friendly)
 
 
-def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
+                        kernel: bool | None = None) -> jax.Array:
     """``x @ w + bias`` [M, F] in x.dtype, float32 accumulation inside the GEMM.
 
     The GEMM emits x.dtype directly, as a plain Flax layer does (half the bytes of a float32
@@ -24,17 +26,55 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> j
 
     With few rows (2 M < D: decode) the concatenation would copy the whole weight matrix on
     every call, more than a float32 output [M, F] costs: there the GEMM emits float32 and the
-    bias is added before the one rounding."""
+    bias is added before the one rounding. XLA compiles that float32-output product to a slow
+    GEMM (H100, D = 2048, F = 5632, one row: 19.9 us, where cuBLAS's bf16 product takes 12.9
+    and a plain Flax layer's decode step is 12% faster: BENCHMARKS.md, run 121), so below
+    ``FEW_ROWS`` (8) rows it runs on the ``gemv`` kernel (the same sums, 12.2 us) on a GPU
+    outside a multi-device mesh; ``kernel`` forces the choice (tests)."""
     if bias is None:
         return jnp.dot(x, w)
     m, d = x.shape
     if 2 * m < d:
+        if _few_rows_on_gemv(m) if kernel is None else kernel:
+            return _biased_gemv(x, w, bias)
         pre = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
         return pre.astype(x.dtype)
     pad = _K_MULTIPLE - d % _K_MULTIPLE
     ones = jnp.zeros((m, pad), x.dtype).at[:, 0].set(1)
     rows = jnp.zeros((pad, w.shape[1]), w.dtype).at[0].set(bias.astype(w.dtype))
     return jnp.dot(jnp.concatenate([x, ones], axis=1), jnp.concatenate([w, rows], axis=0))
+
+
+def _few_rows_on_gemv(m: int) -> bool:
+    """Whether ``gate_pre_activation`` runs an M-row biased product on ``gemv``: fewer than
+    ``FEW_ROWS`` rows, compiled for a GPU (not interpreted), and not under a context mesh of
+    several devices (XLA partitions a plain product; a ``pallas_call`` is not partitioned)."""
+    if m >= FEW_ROWS or default_interpret():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
+@jax.custom_vjp
+def _biased_gemv(x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
+    """``(x @ w + bias)`` rounded once to x.dtype (x [M, D], w [D, F], bias [F]) on ``gemv``;
+    its backward is autodiff's of the float32 form it replaces."""
+    return gemv(x, w.astype(x.dtype), bias)
+
+
+def _biased_gemv_fwd(x, w, bias):
+    return _biased_gemv(x, w, bias), (x, w, bias)
+
+
+def _biased_gemv_bwd(residuals, d_pre):
+    x, w, bias = residuals
+    dx = jnp.dot(d_pre, w.astype(d_pre.dtype).T, preferred_element_type=jnp.float32)
+    dw = jnp.dot(x.T, d_pre.astype(x.dtype), preferred_element_type=jnp.float32)
+    d_bias = jnp.sum(d_pre.astype(jnp.float32), axis=0)
+    return dx.astype(x.dtype), dw.astype(w.dtype), d_bias.astype(bias.dtype)
+
+
+_biased_gemv.defvjp(_biased_gemv_fwd, _biased_gemv_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
