@@ -27,8 +27,8 @@ their M's share of ``--budget-s`` are recorded as skipped.
     python experiments/probe_gemv.py           # H100, ~1-2 minutes
     python experiments/probe_gemv.py --smoke   # CPU, interpret mode, tiny shapes
 
-Rows go to ``$OUT/gemv_probe_{D}x{F}.jsonl`` (the current directory when $OUT is unset); a table is
-printed last.
+Rows go to ``$OUT/gemv_probe_{D}x{F}.jsonl`` (the current directory when $OUT is unset); a
+table is printed last.
 """
 
 from __future__ import annotations

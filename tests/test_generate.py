@@ -119,6 +119,9 @@ def test_decode_kernels_match_xla(dtype):
         assert ("twell_gemv" in jaxpr) == flag and ("twell_decode_attention" in jaxpr) == flag
         # Two launches per layer: q, k and v in one, the output projection.
         assert jaxpr.count("name=twell_gemv") == (2 * model.cfg.n_layers if flag else 0)
+        # Each residual add inside the norm after it: two a layer and the final norm.
+        assert jaxpr.count("name=twell_add_rms_norm") == (
+            2 * model.cfg.n_layers + 1 if flag else 0)
     # Under a context mesh of several devices the plain XLA products run (XLA partitions them).
     attn = models[True].blocks[0].attn
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("data",))):
@@ -158,17 +161,22 @@ def test_padded_prompt_same_as_alone():
 
 def test_sparse_implementations_decode_like_dense():
     """float32, every row on the sparse path (pallas: the kernels in interpret mode, inside
-    the decode loop): the same tokens and FFN statistics as the dense FFN."""
+    the decode loop; also with ``decode_kernels``, as on a GPU: the attention's kernels and
+    each residual add fused into the next norm): the same tokens and FFN statistics as the
+    dense FFN."""
     prompts = [[1, 2, 3], [4, 5]]
     # One layer: the interpret-mode kernels are slow to compile.
     kw = dict(dtype=jnp.float32, seed=3, twell=ALL_SPARSE, n_layers=1)
-    run = lambda impl: model_lib.generate(model_lib.build("tiny", implementation=impl, **kw),
-                                          prompts, max_new_tokens=3, return_stats=True)
+    run = lambda impl, **more: model_lib.generate(
+        model_lib.build("tiny", implementation=impl, **kw, **more), prompts, max_new_tokens=3,
+        return_stats=True)
     expected, expected_stats = run("xla")
-    for impl in ("reference", "pallas"):
-        tokens, stats = run(impl)
-        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected), err_msg=impl)
-        np.testing.assert_allclose(stats["nnz_mean"], expected_stats["nnz_mean"], rtol=1e-6)
+    for impl, more in (("reference", {}), ("pallas", {}), ("pallas", {"decode_kernels": True})):
+        tokens, stats = run(impl, **more)
+        what = f"{impl} {more}"
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected), err_msg=what)
+        np.testing.assert_allclose(stats["nnz_mean"], expected_stats["nnz_mean"], rtol=1e-6,
+                                   err_msg=what)
 
 
 # ------------------------------------------------------------------------------------------

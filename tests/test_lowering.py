@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.add_rms_norm import add_rms_norm
 from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention
 from pallas_kernels.gemv import GemvConfig, gemv, gemv_many, gemv_partial_sums
 from pallas_kernels.row_pack import row_pack
@@ -157,6 +158,20 @@ def test_gemv_lowers(ragged, m, config):
         args = S((m, D), BF16), S((D, F), BF16)
     module = export_for_cuda(fn, *args)
     assert "twell_gemv" in module
+
+
+@pytest.mark.parametrize("delta", ["none", "output", "partials"])
+def test_add_rms_norm_lowers(delta):
+    args = [S((3, D + 40), BF16)]  # a ragged D: the masked loads and stores lower too
+    if delta == "output":
+        args.append(S((3, D + 40), BF16))
+    elif delta == "partials":
+        args.append(S((8, 3, D + 40), jnp.float32))
+    args.append(S((D + 40,), BF16))
+    fn = (lambda x, s: add_rms_norm(x, None, s, eps=1e-6, interpret=False)) if delta == "none" \
+        else (lambda x, dl, s: add_rms_norm(x, dl, s, eps=1e-6, interpret=False))
+    module = export_for_cuda(fn, *args)
+    assert "twell_add_rms_norm" in module
 
 
 def test_gemv_many_lowers():

@@ -27,10 +27,10 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
     With few rows (2 M < D: decode) the concatenation would copy the whole weight matrix on
     every call, more than a float32 output [M, F] costs: there the GEMM emits float32 and the
     bias is added before the one rounding. XLA compiles that float32-output product to a slow
-    GEMM (H100, D = 2048, F = 5632, one row: 19.9 us, where cuBLAS's bf16 product takes 12.9
-    and a plain Flax layer's decode step is 12% faster: BENCHMARKS.md, run 121), so below
-    ``FEW_ROWS`` (8) rows it runs on the ``gemv`` kernel (the same sums, 12.2 us) on a GPU
-    outside a multi-device mesh; ``kernel`` forces the choice (tests)."""
+    GEMM (H100, D = 2048, F = 5632, one row: 19.9 us, where cuBLAS's bf16 product takes 12.9;
+    the 0.5b dense model decoded 12% faster with a plain Flax gate: BENCHMARKS.md, run 121),
+    so below ``FEW_ROWS`` (8) rows it runs on the ``gemv`` kernel (the same sums, 12.2 us) on
+    a GPU outside a multi-device mesh; ``kernel`` forces the choice (tests)."""
     if bias is None:
         return jnp.dot(x, w)
     m, d = x.shape

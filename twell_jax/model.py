@@ -47,10 +47,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from pallas_kernels.add_rms_norm import add_rms_norm
 from pallas_kernels.common import default_interpret
 from pallas_kernels.decode_attention import decode_attention as decode_attention_kernel
 from pallas_kernels.decode_attention import decode_attention_reference
 from pallas_kernels.gemv import FEW_ROWS as GEMV_FEW_ROWS
+from pallas_kernels.gemv import gemv_partial_sums
 from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
 from twell_jax.dense import few_row_matmuls, mixed_precision_matmul
@@ -106,7 +108,9 @@ class ModelConfig:
         fewer than 8 token rows on the GEMV kernel (``pallas_kernels.gemv``; XLA turns a
         one-row product into a slow column reduction) and, in ``decode_step``, the
         attention over the cache on the flash-decoding kernel
-        (``pallas_kernels.decode_attention``: it reads only the filled positions). None
+        (``pallas_kernels.decode_attention``: it reads only the filled positions) and, below
+        8 sequences, each residual add with the RMSNorm after it in one launch
+        (``pallas_kernels.add_rms_norm``, taking the output projection's partial sums). None
         (default): exactly when a GPU is present (interpret mode on a CPU would only be
         slower); True forces them (interpret mode without a GPU: how the tests run them);
         False keeps plain XLA. Under a context mesh of several devices XLA's products run
@@ -246,6 +250,15 @@ class RMSNorm(nnx.Module):
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * self.scale[...].astype(_F32)).astype(self.dtype)
 
+    def add_and_norm(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """(x + delta, self(x + delta)) in one ``add_rms_norm`` launch (decode steps: XLA
+        makes three of it). x [B, T, D] in the compute dtype (B * T <= 64); delta the sublayer
+        output [B * T, D], float32 partial sums [S, B * T, D] of an unfinished ``gemv``, or
+        None (no add). Equal to the unfused add and norm up to the order of the mean's sum."""
+        b, t, d = x.shape
+        r, h = add_rms_norm(x.reshape(b * t, d), delta, self.scale[...], eps=self.eps)
+        return r.reshape(b, t, d), h.reshape(b, t, d).astype(self.dtype)
+
 
 @functools.lru_cache(maxsize=16)
 def rope_tables(max_seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -348,6 +361,17 @@ class Attention(nnx.Module):
         b, t = out.shape[:2]
         return self._matmul(out.reshape(b, t, -1), self.w_o[...])
 
+    def _output_for_add(self, out: jax.Array) -> jax.Array:
+        """The output projection of out [B, T, N, H] as ``RMSNorm.add_and_norm`` takes it: on
+        the GEMV kernel (few rows) its float32 partial sums [S, B * T, D], left for that
+        kernel to add (one launch less); else the projection [B * T, D]."""
+        b, t = out.shape[:2]
+        flat = out.reshape(b, t, -1)
+        if self._gemv(flat):
+            return gemv_partial_sums(flat.reshape(b * t, -1).astype(self.dtype),
+                                     self.w_o[...].astype(self.dtype))
+        return self._matmul(flat, self.w_o[...]).reshape(b * t, -1)
+
     def prefill(self, x: jax.Array, cos: jax.Array,
                 sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] -> (output [B, T, D], k, v [B, T, Nkv, H] with k rotated), positions
@@ -360,10 +384,12 @@ class Attention(nnx.Module):
         return self._output(out), k, v
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-               cache_k: jax.Array, cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+               cache_k: jax.Array, cache_v: jax.Array, *,
+               for_add: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One new position per sequence: x [B, 1, D] at ``positions`` [B] int; writes its k, v
         into the caches [B, S, Nkv, H] there and attends over cache positions <= its own.
-        Returns (output [B, 1, D], cache_k, cache_v)."""
+        Returns (output [B, 1, D], cache_k, cache_v); with ``for_add`` the output as
+        ``_output_for_add`` gives it."""
         pos = positions[:, None]
         q, k, v = self._qkv(x)
         q, k = apply_rope_at(q, cos, sin, pos), apply_rope_at(k, cos, sin, pos)
@@ -371,7 +397,8 @@ class Attention(nnx.Module):
         cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
         cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
         out = decode_attention(q[:, 0], cache_k, cache_v, positions, kernel=self._kernels())
-        return self._output(out[:, None]), cache_k, cache_v
+        project = self._output_for_add if for_add else self._output
+        return project(out[:, None]), cache_k, cache_v
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
@@ -426,6 +453,23 @@ class Block(nnx.Module):
         out, cache_k, cache_v = self.attn.decode(self.attn_norm(x), cos, sin, positions,
                                                  cache_k, cache_v)
         return self._ffn_residual(x + out), cache_k, cache_v
+
+    def decode_fused(self, x: jax.Array, delta: jax.Array | None, cos: jax.Array,
+                     sin: jax.Array, positions: jax.Array, cache_k: jax.Array,
+                     cache_v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """``decode`` with each residual add done inside the norm after it (``RMSNorm.
+        add_and_norm``: one launch where XLA makes three; see ``Transformer.
+        _fused_decode_norms`` for when it is used). x [B, 1,
+        D] is the residual stream before the previous block's FFN output ``delta`` [B, D] is
+        added (None: nothing to add). Returns (x, this block's FFN output [B, D], cache_k,
+        cache_v): the next block, or the final norm, adds it."""
+        x, h = self.attn_norm.add_and_norm(x, delta)
+        out, cache_k, cache_v = self.attn.decode(h, cos, sin, positions, cache_k, cache_v,
+                                                 for_add=True)
+        x, h = self.ffn_norm.add_and_norm(x, out)
+        nn.sow_if_captured(self, FFNInput, FFN_INPUT_NAME, h)
+        y = self.ffn(h)
+        return x, y.reshape(-1, y.shape[-1]), cache_k, cache_v
 
 
 def _run_block(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -548,12 +592,31 @@ class Transformer(nnx.Module):
         x = self._embed(tokens[:, None])
         cos, sin = self._rope()
         ks, vs = [], []
-        for block, ck, cv in zip(self.blocks, cache.k, cache.v):
-            x, ck, cv = block.decode(x, cos, sin, cache.lengths, ck, cv)
-            ks.append(ck)
-            vs.append(cv)
-        logits = self.logits(self.final_norm(x[:, 0]))
+        if self._fused_decode_norms(x.shape[0]):
+            delta = None
+            for block, ck, cv in zip(self.blocks, cache.k, cache.v):
+                x, delta, ck, cv = block.decode_fused(x, delta, cos, sin, cache.lengths, ck, cv)
+                ks.append(ck)
+                vs.append(cv)
+            h = self.final_norm.add_and_norm(x, delta)[1]
+        else:
+            for block, ck, cv in zip(self.blocks, cache.k, cache.v):
+                x, ck, cv = block.decode(x, cos, sin, cache.lengths, ck, cv)
+                ks.append(ck)
+                vs.append(cv)
+            h = self.final_norm(x)
+        logits = self.logits(h[:, 0])
         return logits, KVCache(tuple(ks), tuple(vs), cache.lengths + 1)
+
+    def _fused_decode_norms(self, batch: int) -> bool:
+        """Whether ``decode_step`` adds each residual inside the next norm's kernel
+        (``Block.decode_fused``): under ``decode_kernels`` on one device (the attention's
+        ``_kernels``), below ``GEMV_FEW_ROWS`` (8) sequences, where the output projection's
+        partial sums go straight into the kernel. H100, 0.5b: batch 1 +3% tokens/s in both
+        models; batch 8 (the projection finished by XLA) -0.5%, so not used there
+        (BENCHMARKS.md, run 125)."""
+        return bool(self.blocks) and self.blocks[0].attn._kernels() and (
+            batch < GEMV_FEW_ROWS)
 
 
 def build(cfg: ModelConfig | str, *, seed: int = 0, **overrides) -> Transformer:
