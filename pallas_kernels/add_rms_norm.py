@@ -15,8 +15,9 @@ the row once:
   ``twell_jax.model.RMSNorm`` computes it (only the order of the mean's sum differs).
 
 D is padded to a power of two inside the program (masked), so any D works. Measured (H100,
-0.5b, BENCHMARKS.md runs 124-125): 1.8-2.0 us a call with the sublayer output, 3.7 us with 8
-partial sums (one program reads their 64 KB); decode at batch 1 +3% tokens/s in both models.
+0.5b, BENCHMARKS.md runs 124-126): 1.8-2.0 us a call with the sublayer output, 3.7 us with 8
+partial sums at 4 warps (one program reads their 64 KB; 2.65 us alone at 16 warps, now the
+default); decode at batch 1 +3% tokens/s in both models (at 4 warps).
 """
 
 from __future__ import annotations
@@ -68,12 +69,23 @@ def _kernel(*refs, d: int, d_pad: int, parts: int | None, has_delta: bool, eps: 
     plgpu.store(normed_ref.at[i, cols], normed.astype(dtype), mask=mask)
 
 
+def default_num_warps(d_pad: int, parts: int | None) -> int:
+    """Warps per program for a row of ``d_pad`` (power of two) columns. H100, D = 2048, one
+    row, the call alone in an on-device loop (BENCHMARKS.md, run 126): with 8 partial sums
+    4 / 8 / 16 warps take 3.88 / 3.18 / 2.65 us (more loads in flight), with the sublayer
+    output 2.29-2.37 us from 4 warps up."""
+    if parts is not None and parts > 1:
+        return max(1, min(16, d_pad // 128))
+    return max(1, min(8, d_pad // 512))
+
+
 def add_rms_norm(
     x: jax.Array,
     delta: jax.Array | None,
     scale: jax.Array,
     *,
     eps: float,
+    num_warps: int | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``r = x + delta`` and ``rmsnorm(r) * scale`` for few rows, one launch.
@@ -85,6 +97,7 @@ def add_rms_norm(
         (no add: ``r = x``).
       scale: [D] the norm's scale (any float dtype, applied in float32).
       eps: added to the mean square.
+      num_warps: Triton warps per program (None: ``default_num_warps``).
       interpret: run the Pallas interpreter (None: iff no GPU).
     Returns:
       (r [M, D], normed [M, D]), both in x.dtype; r is x itself when delta is None.
@@ -119,8 +132,9 @@ def add_rms_norm(
         kernel,
         out_shape=out_shape,
         grid=(m,),
-        compiler_params=plgpu.CompilerParams(num_warps=max(1, min(8, d_pad // 512)),
-                                             num_stages=1),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=default_num_warps(d_pad, parts) if num_warps is None else num_warps,
+            num_stages=1),
         interpret=resolve_interpret(interpret),
         name="twell_add_rms_norm",
     )(x, *((delta,) if delta is not None else ()), scale)
