@@ -49,9 +49,10 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref
     """One program: sequence ``program_id(0)``, kv head ``program_id(1)``, cache rows
     [c * block_s, +block_s) for c = ``program_id(2)``.
 
-    Refs (whole arrays): positions [B] int32, q [B, Nkv, g_pad, h_pad] float32 (zero padded),
-    k, v [B, S, Nkv, H]; outputs m, l [B, Nkv, C, g_pad] and acc [B, Nkv, C, g_pad, h_pad]
-    float32 (this program's partial at [b, kv, c]).
+    Refs (whole arrays): positions [B] int32, q [B, N, H] (any float dtype: rounded to the
+    caches' dtype, then float32, here rather than in a launch of its own), k, v [B, S, Nkv, H];
+    outputs m, l [B, Nkv, C, g_pad] and acc [B, Nkv, C, g_pad, h_pad] float32 (this program's
+    partial at [b, kv, c]).
     """
     b = pl.program_id(0)
     kv = pl.program_id(1)
@@ -62,10 +63,14 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref
     row_iota = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     cols = pl.ds(0, h_pad)
     col_ok = (jax.lax.broadcasted_iota(jnp.int32, (h_pad,), 0) < h)[None, :]
-    if use_dot:
-        q = q_ref[b, kv]  # [g_pad, h_pad] float32
+    as_k = lambda a: a.astype(k_ref.dtype).astype(_F32)
+    if use_dot:  # [g_pad, h_pad], rows past the group's G heads zero
+        head_ok = (jax.lax.broadcasted_iota(jnp.int32, (g_pad,), 0) < g)[:, None]
+        q = as_k(plgpu.load(q_ref.at[b, pl.ds(kv * g, g_pad), cols], mask=head_ok & col_ok,
+                            other=0))
     else:  # one [h_pad] row per head (Triton cannot slice a loaded value)
-        q_rows = [q_ref[b, kv, gi] for gi in range(g)]
+        q_rows = [as_k(plgpu.load(q_ref.at[b, kv * g + gi, cols], mask=col_ok[0], other=0))
+                  for gi in range(g)]
 
     def tile(ref, rows, ok):
         mask = ok[:, None] if h_pad == h else ok[:, None] & col_ok
@@ -243,8 +248,6 @@ def decode_attention(
     g_pad, h_pad = next_pow2(g), max(16, next_pow2(h))
     use_dot = g_pad >= _DOT_MIN_HEADS
     chunks = -(-s // config.block_s)
-    qf = q.astype(k.dtype).astype(_F32).reshape(b, n_kv, g, h)
-    qf = jnp.pad(qf, ((0, 0), (0, 0), (0, g_pad - g), (0, h_pad - h)))
     kernel = functools.partial(_decode_attention_kernel, s=s, h=h, g=g, g_pad=g_pad,
                                h_pad=h_pad, block_s=config.block_s,
                                block_k=config.rows_per_tile(h_pad), use_dot=use_dot)
@@ -258,7 +261,7 @@ def decode_attention(
                                              num_stages=config.num_stages),
         interpret=resolve_interpret(interpret),
         name="twell_decode_attention",
-    )(positions.astype(jnp.int32), qf, k, v)
+    )(positions.astype(jnp.int32), q, k, v)
     out = combine_partials(m[..., :g], l[..., :g], acc[..., :g, :h])
     return out.reshape(b, n, h).astype(q.dtype)
 

@@ -285,6 +285,21 @@ def gemv_partial_sums(
     return _gemv_call(x, (w,), None, config, interpret, allow_fused=False)
 
 
+def gemv_many_partial_sums(
+    x: jax.Array,
+    ws: tuple[jax.Array, ...],
+    *,
+    config: GemvConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``gemv_many``'s products unfinished: float32 partial sums [S, M, sum F_i] over the D
+    splits, the weights' columns side by side, for a consumer that adds them itself (a decode
+    step's q, k and v: ``qkv_rope_cache``)."""
+    if not isinstance(ws, tuple) or not ws:
+        raise ValueError("ws must be a non-empty tuple of [D, F] weights")
+    return _gemv_call(x, ws, None, config, interpret, allow_fused=False)
+
+
 def gemv_many(
     x: jax.Array,
     ws: tuple[jax.Array, ...],

@@ -119,9 +119,11 @@ def test_decode_kernels_match_xla(dtype):
         assert ("twell_gemv" in jaxpr) == flag and ("twell_decode_attention" in jaxpr) == flag
         # Two launches per layer: q, k and v in one, the output projection.
         assert jaxpr.count("name=twell_gemv") == (2 * model.cfg.n_layers if flag else 0)
-        # Each residual add inside the norm after it: two a layer and the final norm.
+        # Each residual add inside the norm after it: two a layer and the final norm; q, k, v
+        # finished, rotated and written into the cache: one a layer.
         assert jaxpr.count("name=twell_add_rms_norm") == (
             2 * model.cfg.n_layers + 1 if flag else 0)
+        assert jaxpr.count("name=twell_qkv_rope_cache") == (model.cfg.n_layers if flag else 0)
     # Under a context mesh of several devices the plain XLA products run (XLA partitions them).
     attn = models[True].blocks[0].attn
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("data",))):

@@ -25,7 +25,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.add_rms_norm import add_rms_norm
 from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention
-from pallas_kernels.gemv import GemvConfig, gemv, gemv_many, gemv_partial_sums
+from pallas_kernels.gemv import (GemvConfig, gemv, gemv_many, gemv_many_partial_sums,
+                                 gemv_partial_sums)
+from pallas_kernels.qkv_rope_cache import qkv_rope_cache
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import RowUpDownConfig, row_up_down
 from pallas_kernels.row_backward import row_backward
@@ -172,6 +174,24 @@ def test_add_rms_norm_lowers(delta):
         else (lambda x, dl, s: add_rms_norm(x, dl, s, eps=1e-6, interpret=False))
     module = export_for_cuda(fn, *args)
     assert "twell_add_rms_norm" in module
+
+
+@pytest.mark.parametrize("n_kv", [4, 2], ids=["mha", "gqa"])
+def test_qkv_rope_cache_lowers(n_kv):
+    """A decode step's q, k, v from the GEMV's partial sums (with the launch that makes them),
+    rotated, k and v written into the caches (aliased)."""
+    n, h, length = 4, 64, 128
+
+    def fn(x, wq, wk, wv, cos, sin, pos, ck, cv):
+        parts = gemv_many_partial_sums(x, (wq, wk, wv), interpret=False)
+        return qkv_rope_cache(parts, cos, sin, pos, ck, cv, n_heads=n, dtype=BF16,
+                              interpret=False)
+    module = export_for_cuda(
+        fn, S((2, D), BF16), S((D, n * h), BF16), S((D, n_kv * h), BF16),
+        S((D, n_kv * h), BF16), S((length, h // 2), jnp.float32),
+        S((length, h // 2), jnp.float32), S((2,), jnp.int32),
+        S((2, length, n_kv, h), BF16), S((2, length, n_kv, h), BF16))
+    assert "twell_qkv_rope_cache" in module and "twell_gemv" in module
 
 
 def test_gemv_many_lowers():

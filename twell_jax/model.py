@@ -52,7 +52,8 @@ from pallas_kernels.common import default_interpret
 from pallas_kernels.decode_attention import decode_attention as decode_attention_kernel
 from pallas_kernels.decode_attention import decode_attention_reference
 from pallas_kernels.gemv import FEW_ROWS as GEMV_FEW_ROWS
-from pallas_kernels.gemv import gemv_partial_sums
+from pallas_kernels.gemv import gemv_many_partial_sums, gemv_partial_sums
+from pallas_kernels.qkv_rope_cache import qkv_rope_cache, supports_head_dim
 from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
 from twell_jax.dense import few_row_matmuls, mixed_precision_matmul
@@ -390,13 +391,23 @@ class Attention(nnx.Module):
         into the caches [B, S, Nkv, H] there and attends over cache positions <= its own.
         Returns (output [B, 1, D], cache_k, cache_v); with ``for_add`` the output as
         ``_output_for_add`` gives it."""
-        pos = positions[:, None]
-        q, k, v = self._qkv(x)
-        q, k = apply_rope_at(q, cos, sin, pos), apply_rope_at(k, cos, sin, pos)
-        rows = jnp.arange(x.shape[0])
-        cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
-        cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
-        out = decode_attention(q[:, 0], cache_k, cache_v, positions, kernel=self._kernels())
+        if self._gemv(x) and supports_head_dim(self.head_dim):
+            # The GEMV's partial sums, finished, rotated and written into the caches in one
+            # launch (XLA made five of it: BENCHMARKS.md, run 127).
+            weights = tuple(w[...].astype(self.dtype) for w in (self.w_q, self.w_k, self.w_v))
+            parts = gemv_many_partial_sums(x.reshape(x.shape[0], -1).astype(self.dtype),
+                                           weights)
+            q, cache_k, cache_v = qkv_rope_cache(parts, cos, sin, positions, cache_k, cache_v,
+                                                 n_heads=self.n_heads, dtype=self.dtype)
+        else:
+            pos = positions[:, None]
+            q, k, v = self._qkv(x)
+            q, k = apply_rope_at(q, cos, sin, pos), apply_rope_at(k, cos, sin, pos)
+            rows = jnp.arange(x.shape[0])
+            cache_k = cache_k.at[rows, positions].set(k[:, 0].astype(cache_k.dtype))
+            cache_v = cache_v.at[rows, positions].set(v[:, 0].astype(cache_v.dtype))
+            q = q[:, 0]
+        out = decode_attention(q, cache_k, cache_v, positions, kernel=self._kernels())
         project = self._output_for_add if for_add else self._output
         return project(out[:, None]), cache_k, cache_v
 
