@@ -110,7 +110,9 @@ class ModelConfig:
         one-row product into a slow column reduction) and, in ``decode_step``, the
         attention over the cache on the flash-decoding kernel
         (``pallas_kernels.decode_attention``: it reads only the filled positions) and, below
-        8 sequences, each residual add with the RMSNorm after it in one launch
+        8 sequences, q, k and v finished from the projection's partial sums, rotated and
+        written into the cache in one launch (``pallas_kernels.qkv_rope_cache``), and each
+        residual add with the RMSNorm after it in one launch
         (``pallas_kernels.add_rms_norm``, taking the output projection's partial sums). None
         (default): exactly when a GPU is present (interpret mode on a CPU would only be
         slower); True forces them (interpret mode without a GPU: how the tests run them);
