@@ -18,8 +18,9 @@ idle between launches on the H100 (BENCHMARKS.md, runs 119 and 124). Here one pr
   nothing else of them is read or written). A position past the cache writes nothing, as an
   out-of-bounds ``.at[].set`` drops its update; the tables' row is clamped, as a gather is.
 
-So the results equal the unfused step's bit for bit (q, k, v: the same sums in the same order,
-the same float32 rotation).
+So q, k and v are the unfused step's sums in the same order, rounded the same way; the
+float32 rotation may differ from XLA's in the last bit (float32: ~2e-7). Head sizes with H / 2
+a power of two >= 8 (``supports_head_dim``; the model falls back to XLA otherwise).
 """
 
 from __future__ import annotations
