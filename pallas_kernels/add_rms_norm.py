@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, resolve_interpret
+from pallas_kernels.common import finish_partial_sums, next_pow2, resolve_interpret
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_ROWS = 64  # one program per row: for decode steps, not for a prefill's thousands of rows
@@ -145,12 +145,8 @@ def add_rms_norm_reference(x: jax.Array, delta: jax.Array | None, scale: jax.Arr
                            eps: float) -> tuple[jax.Array, jax.Array]:
     """Plain-jnp :func:`add_rms_norm` (same arguments and outputs): the unfused model step."""
     if delta is not None:
-        if delta.ndim == 3:
-            total = delta[0]
-            for s in range(1, delta.shape[0]):
-                total = total + delta[s]
-            delta = total
-        x = x + delta.astype(x.dtype)
+        x = x + (finish_partial_sums(delta, None, x.dtype) if delta.ndim == 3
+                 else delta.astype(x.dtype))
     r = x.astype(jnp.float32)
     r = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + eps)
     return x, (r * scale.astype(jnp.float32)).astype(x.dtype)

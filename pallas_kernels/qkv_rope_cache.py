@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import is_power_of_two, resolve_interpret
+from pallas_kernels.common import finish_partial_sums, is_power_of_two, resolve_interpret
 
 _F32 = jnp.float32
 MAX_ROWS = 64  # one query row per sequence: decode steps
@@ -84,8 +84,9 @@ def _kernel(pos_ref, parts_ref, cos_ref, sin_ref, k_in_ref, v_in_ref, q_ref, k_r
 
 
 def supports_head_dim(h: int) -> bool:
-    """Head sizes the kernel takes: H / 2 a power of two >= 8 (each half one block; Triton's
-    blocks are powers of two, and a static slice may not run past the cache's H)."""
+    """Head sizes the kernel takes: H / 2 a power of two (each half one block: Triton's blocks
+    are powers of two, and a static slice may not run past the cache's H), at least 8 (the
+    smallest tested)."""
     return h % 2 == 0 and is_power_of_two(h // 2) and h // 2 >= 8
 
 
@@ -155,10 +156,7 @@ def qkv_rope_cache_reference(partial_sums, cos, sin, positions, cache_k, cache_v
     """Plain-jnp :func:`qkv_rope_cache` (same arguments and outputs): the unfused step."""
     _, b, _ = partial_sums.shape
     n_kv, h = cache_k.shape[2:]
-    total = partial_sums[0]
-    for s in range(1, partial_sums.shape[0]):
-        total = total + partial_sums[s]
-    total = total.astype(dtype)
+    total = finish_partial_sums(partial_sums, None, dtype)
     q, k, v = jnp.split(total, [n_heads * h, (n_heads + n_kv) * h], axis=1)
 
     def rotate(x, heads):

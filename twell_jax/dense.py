@@ -68,10 +68,8 @@ def _biased_gemv_fwd(x, w, bias):
 
 def _biased_gemv_bwd(residuals, d_pre):
     x, w, bias = residuals
-    dx = jnp.dot(d_pre, w.astype(d_pre.dtype).T, preferred_element_type=jnp.float32)
-    dw = jnp.dot(x.T, d_pre.astype(x.dtype), preferred_element_type=jnp.float32)
-    d_bias = jnp.sum(d_pre.astype(jnp.float32), axis=0)
-    return dx.astype(x.dtype), dw.astype(w.dtype), d_bias.astype(bias.dtype)
+    dx, dw = _mixed_bwd(x.dtype, (x, w), d_pre)
+    return dx, dw, jnp.sum(d_pre.astype(jnp.float32), axis=0).astype(bias.dtype)
 
 
 _biased_gemv.defvjp(_biased_gemv_fwd, _biased_gemv_bwd)

@@ -298,8 +298,9 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: Row
     ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route switch (the backward
     makes its own: two transposes in a forward + backward, BENCHMARKS.md run 114). ``pre``
     [M, F]: the backend's gate pre-activation, or None. The backup takes its rows of ``pre``
-    rather than redo their gate GEMM, as the all-dense branch does (with the sizes of ``_backup_sizes``: heavy-tailed
-    forward 1.60 -> 1.43 ms on the H100, BENCHMARKS.md run 80)."""
+    rather than redo their gate GEMM, as the all-dense branch does (with the sizes of
+    ``_backup_sizes``: heavy-tailed forward 1.60 -> 1.43 ms on the H100, BENCHMARKS.md run
+    80)."""
     m = x.shape[0]
     if gated:
         y, up_values, l1_rows = backend.up_down(x, w_up_t, weights[-1], gate)

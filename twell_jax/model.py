@@ -365,15 +365,12 @@ class Attention(nnx.Module):
         return self._matmul(out.reshape(b, t, -1), self.w_o[...])
 
     def _output_for_add(self, out: jax.Array) -> jax.Array:
-        """The output projection of out [B, T, N, H] as ``RMSNorm.add_and_norm`` takes it: on
-        the GEMV kernel (few rows) its float32 partial sums [S, B * T, D], left for that
-        kernel to add (one launch less); else the projection [B * T, D]."""
+        """The output projection of out [B, T, N, H] (B * T <= 64) as ``RMSNorm.add_and_norm``
+        takes it: the GEMV kernel's float32 partial sums [S, B * T, D], left for that kernel
+        to add (one launch less)."""
         b, t = out.shape[:2]
-        flat = out.reshape(b, t, -1)
-        if self._gemv(flat):
-            return gemv_partial_sums(flat.reshape(b * t, -1).astype(self.dtype),
-                                     self.w_o[...].astype(self.dtype))
-        return self._matmul(flat, self.w_o[...]).reshape(b * t, -1)
+        return gemv_partial_sums(out.reshape(b * t, -1).astype(self.dtype),
+                                 self.w_o[...].astype(self.dtype))
 
     def prefill(self, x: jax.Array, cos: jax.Array,
                 sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -605,19 +602,16 @@ class Transformer(nnx.Module):
         x = self._embed(tokens[:, None])
         cos, sin = self._rope()
         ks, vs = [], []
-        if self._fused_decode_norms(x.shape[0]):
-            delta = None
-            for block, ck, cv in zip(self.blocks, cache.k, cache.v):
+        fused = self._fused_decode_norms(x.shape[0])
+        delta = None  # fused: the last block's FFN output, not yet added to x
+        for block, ck, cv in zip(self.blocks, cache.k, cache.v):
+            if fused:
                 x, delta, ck, cv = block.decode_fused(x, delta, cos, sin, cache.lengths, ck, cv)
-                ks.append(ck)
-                vs.append(cv)
-            h = self.final_norm.add_and_norm(x, delta)[1]
-        else:
-            for block, ck, cv in zip(self.blocks, cache.k, cache.v):
+            else:
                 x, ck, cv = block.decode(x, cos, sin, cache.lengths, ck, cv)
-                ks.append(ck)
-                vs.append(cv)
-            h = self.final_norm(x)
+            ks.append(ck)
+            vs.append(cv)
+        h = self.final_norm.add_and_norm(x, delta)[1] if fused else self.final_norm(x)
         logits = self.logits(h[:, 0])
         return logits, KVCache(tuple(ks), tuple(vs), cache.lengths + 1)
 
