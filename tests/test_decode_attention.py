@@ -8,6 +8,7 @@ import pytest
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import (DecodeAttentionConfig, combine_partials,
+                                             combine_partials_kernel,
                                              decode_attention, decode_attention_reference,
                                              default_decode_attention_config)
 from tests.utils import assert_close, seed_of
@@ -116,6 +117,29 @@ def test_combine_ignores_neutral_partials():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
     empty = combine_partials(jnp.full_like(m, -jnp.inf), jnp.zeros_like(l), jnp.zeros_like(acc))
     assert np.all(np.isnan(np.asarray(empty)))
+
+
+@pytest.mark.parametrize("g, g_pad, h, h_pad, chunks", [(1, 1, 64, 64, 16), (3, 4, 24, 32, 5)])
+def test_combine_kernel_matches_combine_partials(g, g_pad, h, h_pad, chunks):
+    """The combine's kernel (one launch) against ``combine_partials`` (its jnp reference), with
+    padded heads and columns, a chunk count that is not a power of two, neutral partials, and
+    a sequence whose partials are all neutral (NaN, as the reference)."""
+    rng = np.random.default_rng(seed_of("combine_kernel", g, h, chunks))
+    b, n_kv = 3, 2
+    m = rng.standard_normal((b, n_kv, chunks, g_pad)).astype(np.float32)
+    l = rng.uniform(1.0, 2.0, (b, n_kv, chunks, g_pad)).astype(np.float32)
+    acc = rng.standard_normal((b, n_kv, chunks, g_pad, h_pad)).astype(np.float32)
+    m[1, :, chunks // 2:] = -np.inf  # chunks after the position
+    l[1, :, chunks // 2:] = 0.0
+    acc[1, :, chunks // 2:] = 0.0
+    m[2], l[2], acc[2] = -np.inf, 0.0, 0.0  # nothing to attend to
+    m, l, acc = (jnp.asarray(a) for a in (m, l, acc))
+    got = np.asarray(combine_partials_kernel(m, l, acc, g=g, h=h, dtype=F32))
+    want = np.asarray(combine_partials(m[..., :g], l[..., :g], acc[..., :g, :h])).reshape(
+        b, n_kv * g, h)
+    assert got.shape == (b, n_kv * g, h)
+    np.testing.assert_allclose(got[:2], want[:2], rtol=1e-6, atol=1e-6)
+    assert np.isnan(got[2]).all() and np.isnan(want[2]).all()
 
 
 def test_default_config_fills_the_gpu():

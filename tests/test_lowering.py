@@ -112,7 +112,7 @@ def test_decode_attention_lowers(b, s, n, n_kv, h, config):
     cache = S((b, s, n_kv, h), BF16)
     fn = lambda q, k, v, pos: decode_attention(q, k, v, pos, config=config, interpret=False)
     module = export_for_cuda(fn, S((b, n, h), BF16), cache, cache, S((b,), jnp.int32))
-    assert "twell_decode_attention" in module
+    assert "twell_decode_attention" in module and "twell_decode_attention_combine" in module
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
