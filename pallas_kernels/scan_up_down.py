@@ -14,8 +14,9 @@ unsummed float32 partial sums (``GatePartials``: added in order, plus the bias, 
 ``gemv`` rounds them), so nothing runs between the two kernels. Splitting F over programs is
 what makes it fast at decode sizes (M <= 64 rows): one program per row would leave most of
 the GPU idle and walk a row's ~28 units one dependent weight read after another. With
-several slices, each program writes its partial sum and the wrapper adds the slices (a fixed
-order: the result is deterministic).
+several slices, each program writes its partial sum and the wrapper adds the slices in order
+(deterministic); or ``scan_up_down_partial_sums`` leaves them [S, M, D] for a consumer that
+adds them itself (the model's decode step: ``add_rms_norm`` adds them into the residual).
 
 Within a chunk the active units are ranked (a prefix count) and taken ``group`` at a time: the
 group's rows of ``w_up_t`` and ``w_down`` are gathered as [group, D] tiles, so their reads are
@@ -84,8 +85,8 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
 
     Refs (whole arrays): pre [M, F] (``n_parts`` 0) or the gate's float32 partial sums
     [n_parts, M, F] and, with ``has_bias``, its bias [F]; [x [M, D], w_up_t [F, D]] (gated
-    only), w_down [F, D]; outputs y [M, S, D] and l1 [M, S] float32 (this program's partial
-    sums at [row, s]).
+    only), w_down [F, D]; outputs y [S, M, D] and l1 [M, S] float32 (this program's partial
+    sums at [s, row] and [row, s]).
     """
     refs = list(refs)
     pre_ref = refs.pop(0)
@@ -159,7 +160,7 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
             @pl.when(seen == 0)
             def _():
                 for ch in d_chunks:
-                    y_ref[row, part, ch] = jnp.zeros((block_d,), jnp.float32)
+                    y_ref[part, row, ch] = jnp.zeros((block_d,), jnp.float32)
 
             rows = pl.ds(col0, scan_width)
             row_ok = (cols < f)[:, None]
@@ -177,7 +178,7 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
             def down_step(k, _):
                 ks = pl.ds(k * tile_d, tile_d)
                 w = plgpu.load(w_down_ref.at[rows, ks], mask=row_ok, other=0)
-                y_ref[row, part, ks] += jnp.sum(h[:, None] * w.astype(jnp.float32), axis=0)
+                y_ref[part, row, ks] += jnp.sum(h[:, None] * w.astype(jnp.float32), axis=0)
                 return 0
 
             jax.lax.fori_loop(0, d // tile_d, down_step, 0)
@@ -196,12 +197,12 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     @pl.when(seen == 0)
     def _():
         for acc, ch in zip(accs, d_chunks):
-            y_ref[row, part, ch] = acc
+            y_ref[part, row, ch] = acc
 
     @pl.when(seen != 0)
     def _():
         for acc, ch in zip(accs, d_chunks):
-            y_ref[row, part, ch] += acc
+            y_ref[part, row, ch] += acc
     l1_ref[row, part] = l1
 
 
@@ -311,14 +312,37 @@ def scan_up_down(
     Returns:
       ``(y [M, D], l1 [M] float32)``: y = ``h @ w_down`` with the hidden ``h = relu(pre) *
       (x @ w_up_t.T)`` (gated) or ``relu(pre)``, accumulated in float32 over the active units
-      only; l1 = sum_j |h[m, j]| (the L1 statistic).
+      only (the slices' partial sums added in order); l1 = sum_j |h[m, j]| (the L1 statistic).
+    """
+    gated = x is not None
+    out_dtype = jnp.dtype(out_dtype or (x.dtype if gated else w_down.dtype))
+    y_parts, l1 = scan_up_down_partial_sums(pre, x, w_up_t, w_down, config=config,
+                                            interpret=interpret)
+    return finish_partial_sums(y_parts, None, out_dtype), l1
+
+
+def scan_up_down_partial_sums(
+    pre: jax.Array | GatePartials,
+    x: jax.Array | None,
+    w_up_t: jax.Array | None,
+    w_down: jax.Array,
+    *,
+    config: ScanUpDownConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`scan_up_down` with y left as the programs' float32 partial sums, one per slice
+    of ``config.block_f`` columns of F: ``finish_partial_sums(y_parts, None, dtype)`` (the
+    slices added in order, rounded once) is ``scan_up_down``'s y. Arguments as there (no
+    ``out_dtype``).
+
+    Returns:
+      ``(y_parts [S, M, D] float32, l1 [M] float32)``, S = ceil(F / block_f).
     """
     gated = x is not None
     m, d, f = _check_args(pre, x, w_up_t, w_down, gated)
     config = default_scan_up_down_config(m, d, f) if config is None else config
     if d % config.block_d:
         raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
-    out_dtype = jnp.dtype(out_dtype or (x.dtype if gated else w_down.dtype))
     slices = -(-f // config.block_f)
     parts = isinstance(pre, GatePartials)
     has_bias = parts and pre.bias is not None
@@ -332,14 +356,14 @@ def scan_up_down(
     inputs = (*gate, x, w_up_t, w_down) if gated else (*gate, w_down)
     y_parts, l1_parts = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((m, slices, d), jnp.float32),
+        out_shape=(jax.ShapeDtypeStruct((slices, m, d), jnp.float32),
                    jax.ShapeDtypeStruct((m, slices), jnp.float32)),
         grid=(m, slices),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=resolve_interpret(interpret),
         name="twell_scan_up_down",
     )(*inputs)
-    return jnp.sum(y_parts, axis=1).astype(out_dtype), jnp.sum(l1_parts, axis=1)
+    return y_parts, jnp.sum(l1_parts, axis=1)
 
 
 def scan_up_down_reference(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import twell_jax as tj
+from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from twell_jax import ffn
 from tests.utils import (PATTERNS, assert_close, dense_ffn_f32, ffn_float64,
@@ -117,6 +118,37 @@ def test_decode_path_runs_the_decode_kernel_only_when_not_differentiated():
     assert "twell_row_pack" in grad_text and "twell_scan_up_down" not in grad_text
     ref_grad = jax.grad(lambda x: jnp.sum(dense_ffn_f32(x, *weights)[0]))(x)
     assert_close(grad(x), ref_grad, jnp.float32, what="grad through the decode-sized call")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_partial_sums_on_the_decode_path_only(gated):
+    """``partial_sums=True``: the "pallas" decode path returns its float32 partial sums, which
+    finished in order are the plain call's y bit for bit (same statistics); every other call
+    (the reference decode path, the dense implementation, the list path) returns y as usual;
+    differentiating such a call raises."""
+    # F = 600: three slices of 256 columns (F = 200 would be one).
+    x, *weights = make_ffn_inputs(seed_of("partial_sums", gated), 5, D, 600, "heavy_tailed",
+                                  jnp.bfloat16, gated=gated)
+    run = lambda impl, config, **kw: _call(gated, x, weights, implementation=impl,
+                                           config=config, return_stats=True, **kw)
+    y, stats = run("pallas", DECODE)
+    parts, parts_stats = run("pallas", DECODE, partial_sums=True)
+    assert isinstance(parts, ffn.PartialSums)
+    assert parts.sums.dtype == jnp.float32 and parts.sums.ndim == 3
+    assert parts.sums.shape == (3, 5, D)
+    np.testing.assert_array_equal(np.asarray(finish_partial_sums(parts.sums, None, x.dtype)),
+                                  np.asarray(y))
+    for a, b in zip(stats, parts_stats):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for impl, config in (("reference", DECODE), ("xla", DECODE), ("pallas", CONFIG)):
+        want, _ = run(impl, config)
+        got, _ = run(impl, config, partial_sums=True)
+        assert not isinstance(got, ffn.PartialSums), impl
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=impl)
+    loss = lambda x: jnp.sum(_call(gated, x, weights, implementation="pallas", config=DECODE,
+                                   partial_sums=True).sums)
+    with pytest.raises(ValueError, match="cannot be differentiated"):
+        jax.grad(loss)(x)
 
 
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS)

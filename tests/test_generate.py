@@ -11,6 +11,7 @@ import re
 import sys
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -179,6 +180,34 @@ def test_sparse_implementations_decode_like_dense():
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected), err_msg=what)
         np.testing.assert_allclose(stats["nnz_mean"], expected_stats["nnz_mean"], rtol=1e-6,
                                    err_msg=what)
+
+
+def _pallas_calls(jaxpr, name: str):
+    """The equations of the pallas_calls named ``name`` in a closed jaxpr, nested ones too."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and eqn.params.get("name") == name:
+            found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _pallas_calls(sub, name)
+    return found
+
+
+def test_sparse_decode_step_adds_the_ffn_partial_sums_in_the_norm():
+    """The "pallas" model's fused decode step hands the FFN's float32 partial sums (one per
+    slice of F) straight to the next norm's kernel, as it does the output projection's: every
+    ``add_rms_norm`` but the first block's attention norm adds partial sums; the dense model's
+    FFN output is added finished."""
+    for impl, want in (("pallas", 2), ("xla", 1)):
+        model = model_lib.build("tiny", implementation=impl, seed=3, decode_kernels=True)
+        cache = model.init_cache(2, WIDTH)
+        jaxpr = jax.make_jaxpr(lambda t, c: model.decode_step(t, c))(
+            jnp.zeros((2,), jnp.int32), cache).jaxpr
+        norms = _pallas_calls(jaxpr, "twell_add_rms_norm")
+        assert len(norms) == 2 * model.cfg.n_layers + 1, impl
+        partials = [e for e in norms if len(e.invars) == 3 and e.invars[1].aval.ndim == 3
+                    and e.invars[1].aval.dtype == jnp.float32]
+        assert len(partials) == want * model.cfg.n_layers, impl
 
 
 # ------------------------------------------------------------------------------------------

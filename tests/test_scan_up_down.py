@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
+from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import GemvConfig, gemv, gemv_partial_sums
 from pallas_kernels.scan_up_down import (EARLY_DOWN_MAX_GROUP, GatePartials, ScanUpDownConfig,
                                          default_scan_up_down_config, scan_up_down,
-                                         scan_up_down_reference)
+                                         scan_up_down_partial_sums, scan_up_down_reference)
 from tests.test_row_kernels import make_pre
 from tests.utils import assert_close, seed_of
 
@@ -69,6 +70,14 @@ def test_scan_up_down_matches_numpy_and_reference(m, d, f, config, pattern, gate
     got, _ = scan_up_down(*args, config=config)
     assert got.dtype == dtype
     assert_close(got, want, dtype, what="scan_up_down in the input dtype")
+    # Left unfinished: one float32 partial sum per slice of F, which finished in order are
+    # scan_up_down's y bit for bit.
+    parts, parts_l1 = scan_up_down_partial_sums(*args, config=config)
+    used = config or default_scan_up_down_config(m, d, f)
+    assert parts.dtype == jnp.float32 and parts.shape == (-(-f // used.block_f), m, d)
+    np.testing.assert_array_equal(np.asarray(finish_partial_sums(parts, None, dtype)),
+                                  np.asarray(got))
+    np.testing.assert_array_equal(np.asarray(parts_l1), np.asarray(l1))
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])

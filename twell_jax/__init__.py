@@ -2,7 +2,7 @@
 
 from twell_jax.config import TwELLConfig
 from twell_jax.backends import IMPLEMENTATIONS
-from twell_jax.ffn import FFNStats, gated_mlp, mlp
+from twell_jax.ffn import FFNStats, PartialSums, gated_mlp, mlp
 from twell_jax import nn
 
-__all__ = ["TwELLConfig", "gated_mlp", "mlp", "FFNStats", "IMPLEMENTATIONS", "nn"]
+__all__ = ["TwELLConfig", "gated_mlp", "mlp", "FFNStats", "PartialSums", "IMPLEMENTATIONS", "nn"]

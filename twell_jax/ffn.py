@@ -74,6 +74,16 @@ class FFNStats(NamedTuple):
     dense_fallback: jax.Array
 
 
+class PartialSums(NamedTuple):
+    """An FFN output left unfinished: ``sums`` [S, M, D] float32, whose slices added in order
+    and rounded to the compute dtype are y [M, D] (``pallas_kernels.common.
+    finish_partial_sums``). ``gated_mlp(..., partial_sums=True)`` returns it from the
+    ``"pallas"`` decode path, for a consumer that adds the slices itself (the model's decode
+    step adds them into the residual inside ``add_rms_norm``: one launch less)."""
+
+    sums: jax.Array
+
+
 # ----------------------------------------------------------------------------------------
 # The dense function, used by "xla", by the dense backup and by the all-dense fallback.
 
@@ -503,14 +513,31 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     return jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
 
 
-def _decode_forward(backend: Backend, x, params, bias, gated, config):
-    """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup."""
+def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_sums=False):
+    """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup.
+    ``partial_sums``: y may come back as the backend's float32 partial sums [S, M, D]."""
     weights = _compute_weights(x, params)
     # One transpose per call; loop-invariant in a decode loop (the H100 run suggests XLA hoists
     # it there, the CPU pipeline does not: BENCHMARKS.md, run 15).
     w_up_t = weights[1].T if gated else None
-    y, l1_rows, active = backend.decode(x, weights[0], bias, w_up_t, weights[-1])
+    y, l1_rows, active = backend.decode(x, weights[0], bias, w_up_t, weights[-1],
+                                        partial_sums=partial_sums)
     return y, _stats_from_active(active, l1_rows, config)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _decode_partial_sums(x, params, bias, gated, implementation, config):
+    """``_decode_forward`` with partial sums, for inference only: differentiating it raises."""
+    return _decode_forward(backends.get(implementation), x, params, bias, gated, config,
+                           partial_sums=True)
+
+
+def _partial_sums_not_differentiable(*args):
+    raise ValueError("partial_sums=True is for decode steps (inference): it cannot be "
+                     "differentiated; call the FFN without it under jax.grad")
+
+
+_decode_partial_sums.defvjp(_partial_sums_not_differentiable, _partial_sums_not_differentiable)
 
 
 def _uses_decode(backend: Backend, m: int, config: TwELLConfig) -> bool:
@@ -582,7 +609,8 @@ def _check_inputs(x, weights, names, bias, bias_name, implementation, config):
             raise ValueError(f"{bias_name} has shape {bias.shape}, expected ({d_ff},)")
 
 
-def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, return_stats):
+def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, return_stats,
+         partial_sums=False):
     _check_inputs(x, weights, names, bias, bias_name, implementation, config)
     backend = backends.get(implementation)
     config = DEFAULT_CONFIG if config is None else config
@@ -604,9 +632,11 @@ def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, retu
     elif _static_dense(backend, x2.shape[0], x2.shape[1], weights[0].shape[1], x.dtype, config):
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
         stats = stats._replace(dense_fallback=jnp.asarray(True))
+    elif partial_sums and _uses_decode(backend, x2.shape[0], config):
+        y, stats = _decode_partial_sums(x2, params, bias, gated, implementation, config)
     else:
         y, stats = _twell_ffn(x2, params, bias, gated, implementation, config)
-    y = y.reshape(*lead, x.shape[-1])
+    y = PartialSums(y) if y.ndim == 3 else y.reshape(*lead, x.shape[-1])
     return (y, stats) if return_stats else y
 
 
@@ -629,7 +659,8 @@ def path_for(implementation: Implementation, m: int, d_model: int, d_ff: int, dt
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
               b_gate: jax.Array | None = None,
               implementation: Implementation = DEFAULT_IMPLEMENTATION,
-              config: TwELLConfig | None = None, return_stats: bool = False):
+              config: TwELLConfig | None = None, return_stats: bool = False,
+              partial_sums: bool = False):
     """ReLU-gated FFN ``(relu(x @ w_gate + b_gate) * (x @ w_up)) @ w_down`` with TwELL sparsity.
 
     Args:
@@ -641,20 +672,25 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
         (the TwELL algorithm in plain jnp) or "xla" (dense).
       config: the TwELL format's knobs (``TwELLConfig()`` when None).
       return_stats: also return an ``FFNStats``.
+      partial_sums: where the call takes the decode path (``path_for``: "decode") of a backend
+        that leaves its output unfinished ("pallas"), return y as ``PartialSums`` [S, M, D]
+        (M = the rows of x) instead, for a consumer that adds them itself; other calls return
+        y as usual. Inference only: such a call cannot be differentiated.
     Returns:
-      y [..., D] in x.dtype, or ``(y, stats)``. Differentiable in x and every weight.
+      y [..., D] in x.dtype (or ``PartialSums``), or ``(y, stats)``. Differentiable in x and
+      every weight (without ``partial_sums``).
     """
     return _ffn(x, (w_gate, w_up, w_down), ("w_gate", "w_up", "w_down"), b_gate, "b_gate", True,
-                implementation, config, return_stats)
+                implementation, config, return_stats, partial_sums)
 
 
 def mlp(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *, b_up: jax.Array | None = None,
         implementation: Implementation = DEFAULT_IMPLEMENTATION, config: TwELLConfig | None = None,
-        return_stats: bool = False):
+        return_stats: bool = False, partial_sums: bool = False):
     """Non-gated ReLU FFN ``relu(x @ w_up + b_up) @ w_down`` with TwELL sparsity.
 
     Args and returns as ``gated_mlp``: x [..., D], w_up [D, F], w_down [F, D], optional
     b_up [F].
     """
     return _ffn(x, (w_up, w_down), ("w_up", "w_down"), b_up, "b_up", False, implementation,
-                config, return_stats)
+                config, return_stats, partial_sums)

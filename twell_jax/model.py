@@ -58,7 +58,7 @@ from twell_jax import backends, nn, safetensors_io, sharding
 from twell_jax.config import TwELLConfig
 from twell_jax.dense import few_row_matmuls, mixed_precision_matmul
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Implementation
-from twell_jax.ffn import RESIDUALS_NAME, FFNStats
+from twell_jax.ffn import RESIDUALS_NAME, FFNStats, PartialSums
 
 _F32 = jnp.float32
 
@@ -470,16 +470,19 @@ class Block(nnx.Module):
         """``decode`` with each residual add done inside the norm after it (``RMSNorm.
         add_and_norm``: one launch where XLA makes three; see ``Transformer.
         _fused_decode_norms`` for when it is used). x [B, 1,
-        D] is the residual stream before the previous block's FFN output ``delta`` [B, D] is
-        added (None: nothing to add). Returns (x, this block's FFN output [B, D], cache_k,
-        cache_v): the next block, or the final norm, adds it."""
+        D] is the residual stream before the previous block's FFN output ``delta`` is added
+        (None: nothing to add). Returns (x, this block's FFN output, cache_k, cache_v): the
+        next block, or the final norm, adds it. The FFN output is y [B, D], or on the sparse
+        decode path its float32 partial sums [S, B, D] (``PartialSums``), which the norm's
+        kernel adds itself: XLA's pass over them was one launch more a layer."""
         x, h = self.attn_norm.add_and_norm(x, delta)
         out, cache_k, cache_v = self.attn.decode(h, cos, sin, positions, cache_k, cache_v,
                                                  for_add=True)
         x, h = self.ffn_norm.add_and_norm(x, out)
         nn.sow_if_captured(self, FFNInput, FFN_INPUT_NAME, h)
-        y = self.ffn(h)
-        return x, y.reshape(-1, y.shape[-1]), cache_k, cache_v
+        y = self.ffn(h, partial_sums=True)
+        y = y.sums if isinstance(y, PartialSums) else y.reshape(-1, y.shape[-1])
+        return x, y, cache_k, cache_v
 
 
 def _run_block(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

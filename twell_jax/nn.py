@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from twell_jax import backends, sharding
 from twell_jax.config import TwELLConfig
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Implementation
-from twell_jax.ffn import FFNStats, gated_mlp, mlp
+from twell_jax.ffn import FFNStats, PartialSums, gated_mlp, mlp
 
 def sow_if_captured(module: nnx.Module, variable_type, name: str, value) -> None:
     """``module.sow(...)`` inside ``nnx.capture`` and a no-op outside it, on every flax 0.12.x.
@@ -112,7 +112,8 @@ class _FFNBase(nnx.Module):
         return (nnx.Param(jnp.zeros((d_ff,), self.param_dtype), **sharding.logical("mlp"))
                 if enabled else None)
 
-    def _run(self, op, x: jax.Array, weights: tuple[nnx.Param, ...], **bias) -> jax.Array:
+    def _run(self, op, x: jax.Array, weights: tuple[nnx.Param, ...], *,
+             partial_sums: bool = False, **bias) -> jax.Array | PartialSums:
         x = jnp.asarray(x)
         dtype = x.dtype if self.dtype is None else self.dtype
         x = x.astype(dtype)
@@ -121,7 +122,7 @@ class _FFNBase(nnx.Module):
         ws = tuple(w[...] for w in weights)
         bias = {k: None if b is None else b[...] for k, b in bias.items()}
         run = functools.partial(op, implementation=self.implementation, config=self.config,
-                                return_stats=True)
+                                return_stats=True, partial_sums=partial_sums)
         y, stats = _per_device(run, x, ws, bias)
         sow_if_captured(self, nnx.Intermediate, STATS_NAME, stats)
         return checkpoint_name(y, CHECKPOINT_NAME)
@@ -165,6 +166,8 @@ def _per_device(run: Callable, x: jax.Array, ws: tuple[jax.Array, ...], bias: di
     if x.shape[0] % n:
         raise ValueError(f"FFN input of shape {x.shape}: the batch dimension must be a "
                          f"multiple of {n}, the devices of mesh axes {axes}")
+    # Partial sums [S, M, D] are not split like x: each device returns its y finished.
+    run = functools.partial(run, partial_sums=False)
     # Cast before the split: the weight gradients are summed over the devices in x.dtype.
     ws = tuple(w.astype(x.dtype) for w in ws)
 
@@ -213,10 +216,11 @@ class SparseGatedMLP(_FFNBase):
         self.w_down = self._param(kernel_init, rngs, (d_ff, d_model), ("mlp", "embed"))
         self.b_gate = self._bias(gate_bias, d_ff)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [..., D] -> y [..., D] in the compute dtype; sows ``FFNStats`` as ``"ffn_stats"``."""
+    def __call__(self, x: jax.Array, *, partial_sums: bool = False) -> jax.Array | PartialSums:
+        """x [..., D] -> y [..., D] in the compute dtype; sows ``FFNStats`` as ``"ffn_stats"``.
+        ``partial_sums``: as in ``gated_mlp`` (decode steps on one device, inference only)."""
         return self._run(gated_mlp, x, (self.w_gate, self.w_up, self.w_down),
-                         b_gate=self.b_gate)
+                         partial_sums=partial_sums, b_gate=self.b_gate)
 
 
 class SparseMLP(_FFNBase):

@@ -20,12 +20,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pallas_kernels.gemv import gemv_partial_sums
 from pallas_kernels.row_backward import row_dx, row_entry_grads
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
-from pallas_kernels.scan_up_down import GatePartials, scan_up_down
+from pallas_kernels.scan_up_down import GatePartials, scan_up_down_partial_sums
 from pallas_kernels.sparse_outer import sparse_outer
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
@@ -109,7 +110,7 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff, transposed=False):
     return tuple(o[:d] if transposed else o[:, :d] for o in out)
 
 
-def _decode(x, w_in, bias, w_up_t, w_down):
+def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False):
     # The gate on the GEMV kernel, whose partial sums scan_up_down adds itself: no launch and
     # no [M, F] write in between. Below 8 rows XLA's dot is ~2x slower than the weight read;
     # at 8 and 64 rows the whole decode FFN is 0.7 and 1.5 us faster this way than with XLA's
@@ -121,8 +122,12 @@ def _decode(x, w_in, bias, w_up_t, w_down):
         gate = pre = gate_pre_activation(x, w_in, bias)
     gated = w_up_t is not None
     x_pad, w_up_t, w_down_pad = _pad_up_down(x if gated else None, w_up_t, w_down)
-    y, l1 = scan_up_down(gate, x_pad, w_up_t, w_down_pad, out_dtype=x.dtype)
-    return y[:, :w_down.shape[1]], l1, jnp.logical_not(pre <= 0)  # active: > 0 or NaN
+    y_parts, l1 = scan_up_down_partial_sums(gate, x_pad, w_up_t, w_down_pad)
+    y_parts = y_parts[..., :w_down.shape[1]]
+    # Unfinished for a consumer that adds the slices itself (the model's add_rms_norm: one
+    # launch less a decode step, BENCHMARKS.md run 130).
+    y = y_parts if partial_sums else finish_partial_sums(y_parts, None, x.dtype)
+    return y, l1, jnp.logical_not(pre <= 0)  # active: > 0 or NaN
 
 
 # The cost model may route to dense: the kernels' rates are what it measures.

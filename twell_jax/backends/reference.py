@@ -104,9 +104,10 @@ def _row_dx(w_up_t, w_gate_t, gate: RowLists, d1, d2, dx_dtype):
     return dx.astype(dx_dtype)
 
 
-def _decode(x, w_in, bias, w_up_t, w_down):
+def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False):
     """The decode path in float32: the gate as ``_pack`` computes it, then the active units'
-    products (inactive units' hidden values exactly zero)."""
+    products (inactive units' hidden values exactly zero). y is always finished."""
+    del partial_sums
     pre = jnp.dot(x, w_in, preferred_element_type=jnp.float32)
     if bias is not None:
         pre = pre + bias.astype(jnp.float32)
