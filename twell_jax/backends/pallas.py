@@ -125,7 +125,7 @@ def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False):
     y_parts, l1 = scan_up_down_partial_sums(gate, x_pad, w_up_t, w_down_pad)
     y_parts = y_parts[..., :w_down.shape[1]]
     # Unfinished for a consumer that adds the slices itself (the model's add_rms_norm: one
-    # launch less a decode step, BENCHMARKS.md run 130).
+    # launch less a decode step, BENCHMARKS.md runs 130-131).
     y = y_parts if partial_sums else finish_partial_sums(y_parts, None, x.dtype)
     return y, l1, jnp.logical_not(pre <= 0)  # active: > 0 or NaN
 
