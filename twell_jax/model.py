@@ -257,7 +257,8 @@ class RMSNorm(nnx.Module):
         """(x + delta, self(x + delta)) in one ``add_rms_norm`` launch (decode steps: XLA
         makes three of it). x [B, T, D] in the compute dtype (B * T <= 64); delta the sublayer
         output [B * T, D], float32 partial sums [S, B * T, D] (an unfinished ``gemv``'s, or
-        the sparse FFN's ``PartialSums.sums``), or None (no add). Equal to the unfused add and norm up to the order of the mean's sum."""
+        the sparse FFN's ``PartialSums.sums``), or None (no add). Equal to the unfused add and
+        norm up to the order of the mean's sum."""
         b, t, d = x.shape
         r, h = add_rms_norm(x.reshape(b * t, d), delta, self.scale[...], eps=self.eps)
         return r.reshape(b, t, d), h.reshape(b, t, d).astype(self.dtype)
