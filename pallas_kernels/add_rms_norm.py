@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import finish_partial_sums, next_pow2, resolve_interpret
+from pallas_kernels.common import (add_in_order, finish_partial_sums, next_pow2,
+                                   resolve_interpret)
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_ROWS = 64  # one program per row: for decode steps, not for a prefill's thousands of rows
@@ -55,9 +56,8 @@ def _kernel(*refs, d: int, d_pad: int, parts: int | None, has_delta: bool, eps: 
         if parts is None:
             delta = _load_row(delta_ref.at[i, cols], mask)
         else:
-            delta = _load_row(delta_ref.at[jnp.int32(0), i, cols], mask)
-            for s in range(1, parts):
-                delta = delta + _load_row(delta_ref.at[jnp.int32(s), i, cols], mask)
+            delta = add_in_order(
+                lambda s: _load_row(delta_ref.at[jnp.int32(s), i, cols], mask), parts)
         # The sublayer's output and the residual sum, each rounded to x.dtype as the model's
         # unfused step rounds them.
         delta = delta.astype(dtype).astype(jnp.float32)

@@ -80,13 +80,21 @@ def check_up_inputs(x, w_up_t, m: int, f: int, d: int, gated: bool) -> None:
         raise ValueError("the non-gated form takes no x or w_up_t")
 
 
+def add_in_order(part, count: int):
+    """``part(0) + part(1) + ... + part(count - 1)``, added in that order: the one order every
+    consumer of partial sums uses (inside kernels, ``part(s)`` loads split s), so a fused sum
+    equals ``finish_partial_sums``' bit for bit."""
+    total = part(0)
+    for s in range(1, count):
+        total = total + part(s)
+    return total
+
+
 def finish_partial_sums(partial_sums: jax.Array, bias: jax.Array | None, dtype) -> jax.Array:
     """[S, M, F] float32 partial sums -> ``(sum_s partial_sums[s] + bias).astype(dtype)``
-    [M, F], the splits added in order 0, 1, ..., S - 1 (``gemv`` and ``scan_up_down``, which
-    reads a GEMV's partial sums itself, add them so), then the float32 bias, rounded once."""
-    pre = partial_sums[0]
-    for s in range(1, partial_sums.shape[0]):
-        pre = pre + partial_sums[s]
+    [M, F], the splits added in order 0, 1, ..., S - 1 (``add_in_order``, as the kernels that
+    read partial sums themselves add them), then the float32 bias, rounded once."""
+    pre = add_in_order(lambda s: partial_sums[s], partial_sums.shape[0])
     if bias is not None:
         pre = pre + bias.astype(jnp.float32)
     return pre.astype(dtype)

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import finish_partial_sums, is_power_of_two, resolve_interpret
+from pallas_kernels.common import (add_in_order, finish_partial_sums, is_power_of_two,
+                                   resolve_interpret)
 
 _F32 = jnp.float32
 MAX_ROWS = 64  # one query row per sequence: decode steps
@@ -56,9 +57,7 @@ def _kernel(pos_ref, parts_ref, cos_ref, sin_ref, k_in_ref, v_in_ref, q_ref, k_r
     def finish(col0):
         """The product's columns [col0, col0 + half): splits summed in order, rounded."""
         cols = pl.ds(col0, half)
-        acc = parts_ref[jnp.int32(0), b, cols]
-        for s in range(1, splits):
-            acc = acc + parts_ref[jnp.int32(s), b, cols]
+        acc = add_in_order(lambda s: parts_ref[jnp.int32(s), b, cols], splits)
         return acc.astype(dtype).astype(_F32)
 
     def rotated(col0):

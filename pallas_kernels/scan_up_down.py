@@ -38,8 +38,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (check_config, check_up_inputs, finish_partial_sums,
-                                   largest_pow2_divisor, resolve_interpret)
+from pallas_kernels.common import (add_in_order, check_config, check_up_inputs,
+                                   finish_partial_sums, largest_pow2_divisor,
+                                   resolve_interpret)
 
 
 # Unit groups of at most this many gather their w_down rows early (``_scan_up_down_kernel``).
@@ -68,10 +69,8 @@ def _gate_chunk(pre_ref, bias_ref, row, col0, ok, width: int, n_parts: int, pre_
     if not n_parts:
         return plgpu.load(pre_ref.at[row, cols], mask=ok, other=0.0).astype(jnp.float32)
     # (A traced split index: the interpreter's masked load rejects a Python int there.)
-    part = lambda s: plgpu.load(pre_ref.at[jnp.int32(s), row, cols], mask=ok, other=0.0)
-    pre = part(0)
-    for s in range(1, n_parts):
-        pre = pre + part(s)
+    pre = add_in_order(
+        lambda s: plgpu.load(pre_ref.at[jnp.int32(s), row, cols], mask=ok, other=0.0), n_parts)
     if bias_ref is not None:
         pre = pre + plgpu.load(bias_ref.at[cols], mask=ok, other=0.0).astype(jnp.float32)
     return pre.astype(pre_dtype).astype(jnp.float32)

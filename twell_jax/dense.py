@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import default_interpret
 from pallas_kernels.gemv import FEW_ROWS, gemv, gemv_many
+from twell_jax import sharding
 
 _K_MULTIPLE = 64  # the GEMM's contraction length is padded to this (tensor-core friendly)
 
@@ -48,11 +49,8 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
 def _few_rows_on_gemv(m: int) -> bool:
     """Whether ``gate_pre_activation`` runs an M-row biased product on ``gemv``: fewer than
     ``FEW_ROWS`` rows, compiled for a GPU (not interpreted), and not under a context mesh of
-    several devices (XLA partitions a plain product; a ``pallas_call`` is not partitioned)."""
-    if m >= FEW_ROWS or default_interpret():
-        return False
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size == 1
+    several devices (``sharding.on_one_device``)."""
+    return m < FEW_ROWS and not default_interpret() and sharding.on_one_device()
 
 
 @jax.custom_vjp

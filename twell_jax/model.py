@@ -328,10 +328,7 @@ class Attention(nnx.Module):
     def _kernels(self) -> bool:
         """``decode_kernels``, on one device: under a context mesh of several devices XLA
         partitions the plain products (a ``pallas_call`` is not partitioned)."""
-        if not self.decode_kernels:
-            return False
-        mesh = jax.sharding.get_abstract_mesh()
-        return mesh.empty or mesh.size == 1
+        return self.decode_kernels and sharding.on_one_device()
 
     def _gemv(self, x: jax.Array) -> bool:
         """Products of x [B, T, K] run on the GEMV kernel: fewer than ``GEMV_FEW_ROWS`` (8)

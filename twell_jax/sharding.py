@@ -117,6 +117,13 @@ def describe(mesh: Mesh) -> str:
             f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''})")
 
 
+def on_one_device() -> bool:
+    """No context mesh of several devices: Pallas kernels may run as they are (XLA partitions
+    a plain product under such a mesh; a ``pallas_call`` is not partitioned)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
 def batch_axes_of(mesh) -> tuple[str, ...]:
     """The ``BATCH_AXES`` present in ``mesh`` (a ``Mesh`` or ``AbstractMesh``); () for an empty
     or unrelated mesh."""
