@@ -37,7 +37,8 @@ def test_smoke_case_runs_checks_and_times_every_variant(bench, tmp_path):
     assert lines[0]["kind"] == "header" and len(lines) == len(rows) + 2  # + the sparsity line
     timed = {r["label"]: r for r in rows}
     assert not [r for r in rows if "error" in r]
-    for label in ("xla dense FFN", "pallas TwELL FFN", "pallas TwELL FFN, sparse forced"):
+    for label in ("xla dense FFN", "pallas TwELL FFN", "xla dense FFN, with statistics",
+                  "pallas TwELL FFN, with statistics", "pallas TwELL FFN, sparse forced"):
         row = timed[label]
         assert row["median_ms"] > 0 and row["latency_ms"] > 0
         assert row["rel_err"] < 2e-2  # bf16 against float64 on sampled rows
