@@ -405,17 +405,19 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
         return _record(case, label, results, emit, measure_into, **extra)
 
     # Both FFN rows compute y alone, as a plain Flax MLP does: the ratio compares like with
-    # like. The statistics (a pass over the [M, F] pre-activation where the sparse path made
-    # no lists: 0.12-0.15 ms at 2% uniform, BENCHMARKS.md run 138) are timed beside them, on
-    # both paths. Until 2026-11-26 the sparse row returned them and the dense one did not.
+    # like. The statistics are timed beside them, on both paths: they cost a pass over the
+    # [M, F] activity on the dense path, and on the sparse one where it made no lists
+    # (0.12-0.19 ms at 2% uniform, BENCHMARKS.md runs 138-139). Until 2026-11-26 the sparse
+    # row returned them and the dense one did not.
     ffn = lambda implementation, stats: jax.jit(lambda *a: tj.gated_mlp(
         *a, implementation=implementation, config=config, return_stats=stats))
     weights = op_weights(args, w_gate, w_up, w_down)
-    fallback = bool(ffn("pallas", True)(x, *weights)[1].dense_fallback)
+    sparse_with_stats = ffn("pallas", True)
+    fallback = bool(sparse_with_stats(x, *weights)[1].dense_fallback)
     measure("xla dense FFN", ffn("xla", False), x, *weights)
     measure("pallas TwELL FFN", ffn("pallas", False), x, *weights, fallback=fallback)
     measure("xla dense FFN, with statistics", ffn("xla", True), x, *weights)
-    measure("pallas TwELL FFN, with statistics", ffn("pallas", True), x, *weights,
+    measure("pallas TwELL FFN, with statistics", sparse_with_stats, x, *weights,
             fallback=fallback)
     no_switch = dataclasses.replace(config, dense_fallback_density=1.0)
     forced = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=no_switch))
