@@ -232,7 +232,7 @@ def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, chunks: int, c_pad: int, 
     b = pl.program_id(0)
     kv = pl.program_id(1)
     chunk_ok = jax.lax.broadcasted_iota(jnp.int32, (c_pad,), 0) < chunks
-    head_ok = jax.lax.broadcasted_iota(jnp.int32, (g_pad,), 0) < g
+    head = jax.lax.broadcasted_iota(jnp.int32, (g_pad,), 0)
     col_ok = jax.lax.broadcasted_iota(jnp.int32, (h_pad,), 0) < h
     m = plgpu.load(m_ref.at[b, kv, pl.ds(0, c_pad), pl.ds(0, g_pad)],
                    mask=chunk_ok[:, None], other=-jnp.inf)
@@ -245,9 +245,8 @@ def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, chunks: int, c_pad: int, 
     for gi in range(g):  # one [h_pad] row per head (Triton cannot slice a loaded value)
         acc = plgpu.load(acc_ref.at[b, kv, pl.ds(0, c_pad), jnp.int32(gi), pl.ds(0, h_pad)],
                          mask=chunk_ok[:, None], other=0.0)  # [c_pad, h_pad]
-        w_g = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (c_pad, g_pad), 1) == gi,
-                                w, 0.0), axis=1)  # column gi of w
-        l_g = jnp.sum(jnp.where(head_ok & (jnp.arange(g_pad) == gi), l_sum, 0.0))
+        w_g = jnp.sum(jnp.where(head[None, :] == gi, w, 0.0), axis=1)  # column gi of w
+        l_g = jnp.sum(jnp.where(head == gi, l_sum, 0.0))
         out = jnp.sum(w_g[:, None] * acc, axis=0) / l_g
         plgpu.store(out_ref.at[b, kv * g + gi, pl.ds(0, h_pad)], out.astype(out_ref.dtype),
                     mask=col_ok)
