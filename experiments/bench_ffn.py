@@ -23,7 +23,7 @@ of rows, heavy rows included) before timing, then times the jitted forwards: med
 synchronised once with ``block_until_ready`` (``time_ms``; a lone call's latency beside it).
 Beside the dense ``"xla"`` path it times three plain bf16 ``nnx.Linear`` layers (a user's dense
 FFN), and the stages alone (XLA's gate GEMM, ``row_pack``, ``row_up_down``) with bytes and
-rates, so a missed target can be traced to a stage (knob sweeps: ``experiments/bench_stages.py``).
+rates, so a missed target can be traced to a stage (knob sweeps: ``tools/bench_stages.py``).
 Decode sizes (M <= ``decode_rows``, forward only) are timed per call inside an on-device loop
 over 4 layers' weights (``decode_loop``): one call from Python would time the host's dispatch.
 Sparsity statistics per case: mean / p99 / max active units per token, fraction of (row, tile)
@@ -35,28 +35,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import sys
-import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (flags, header, timer summary)
-from common import flag  # noqa: E402
+from twell_jax import cli
+from twell_jax.cli import flag
 
-import twell_jax as tj  # noqa: E402
-from pallas_kernels.row_backward import row_backward  # noqa: E402
-from pallas_kernels.row_pack import row_pack  # noqa: E402
-from pallas_kernels.row_up_down import row_up_down  # noqa: E402
-from pallas_kernels.sparse_outer import sparse_outer  # noqa: E402
-from pallas_kernels.scan_up_down import scan_up_down  # noqa: E402
-from twell_jax import inputs  # noqa: E402
-from twell_jax.format import heavy_rows, mask_lists  # noqa: E402
+import twell_jax as tj
+from pallas_kernels.row_backward import row_backward
+from pallas_kernels.row_pack import row_pack
+from pallas_kernels.row_up_down import row_up_down
+from pallas_kernels.sparse_outer import sparse_outer
+from pallas_kernels.scan_up_down import scan_up_down
+from twell_jax.format import heavy_rows, mask_lists
+from twell_jax.benchmarking.ffn_cases import (CASES, Case, SUITES, flax_dense_mlp, make_case_inputs, rel_error_float64, sparsity_stats, time_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,229 +72,12 @@ class BenchArgs:
     out: str = flag("runs/bench_ffn.jsonl", "JSON-lines file the measurements are appended to")
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    m: int
-    d: int
-    f: int
-    # uniform | heavy_tailed (row skew) | hot_units (column skew) | trained (rows' counts drawn
-    # from TRAINED_NNZ, scaled to F)
-    pattern: str
-    nnz_target: float  # mean active units per token
-    p99_target: float | None = None  # heavy-tailed only
-
-
-# The per-token active-unit histograms of our trained 100m model (L1 3e-4, 2200 steps, held-out
-# tokens, every layer; RESULTS.md), F = 2560: the "trained" pattern's rows.
-TRAINED_NNZ = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
-                           "lm_100m_2200steps", "100m-xla-l1_3e-4", "nnz_distribution.json")
-
-
-@functools.cache
-def trained_histogram(path: str = TRAINED_NNZ) -> tuple[np.ndarray, int]:
-    """(tokens per active-unit count [n + 1], pooled over the layers; the model's F). Read once
-    (the case table asks for it at import), so the array is read-only."""
-    with open(path) as file:
-        dist = json.load(file)
-    hists = [np.asarray(layer["histogram"], np.float64) for layer in dist["layers"]]
-    pooled = np.zeros(max(len(h) for h in hists))
-    for h in hists:
-        pooled[: len(h)] += h
-    pooled.flags.writeable = False
-    return pooled, int(dist["d_ff"])
-
-
-def trained_mean(f: int) -> float:
-    """The trained model's mean active units per token, scaled to F = ``f``."""
-    hist, d_ff = trained_histogram()
-    return float((hist * np.arange(len(hist))).sum() / hist.sum() * f / d_ff)
-
-
-CASES = {
-    c.name: c
-    for c in [
-        Case("smoke_uniform", 256, 256, 1024, "uniform", 8.0),
-        Case("smoke_heavy", 256, 256, 1024, "heavy_tailed", 12.0, 100.0),
-        Case("smoke_trained", 256, 256, 1024, "trained", trained_mean(1024)),
-        Case("m16k_uniform28", 16384, 2048, 5632, "uniform", 28.0),
-        Case("m16k_uniform2pct", 16384, 2048, 5632, "uniform", 0.02 * 5632),
-        Case("m16k_heavy", 16384, 2048, 5632, "heavy_tailed", 60.0, 580.0),
-        # Zipf-like per-unit rates (inputs.firing_rates "heavy"): the busiest units fire on
-        # half the tokens, as in trained models; row counts stay near the mean.
-        Case("m16k_hot_units", 16384, 2048, 5632, "hot_units", 28.0),
-        # The issue's trained-model case: rows drawn from our 100m model's counts, x 5632 / 2560.
-        Case("m16k_trained", 16384, 2048, 5632, "trained", trained_mean(5632)),
-        Case("m128k_uniform28", 131072, 2048, 5632, "uniform", 28.0),
-        Case("wide_m16k_uniform", 16384, 4096, 14336, "uniform", 14336 * 28 / 5632),
-        Case("wide_m16k_uniform28", 16384, 4096, 14336, "uniform", 28.0),
-        Case("decode_m1", 1, 2048, 5632, "uniform", 28.0),
-        Case("decode_m8", 8, 2048, 5632, "uniform", 28.0),
-        Case("decode_m64", 64, 2048, 5632, "uniform", 28.0),
-        Case("decode_m8_heavy", 8, 2048, 5632, "heavy_tailed", 60.0, 580.0),
-        Case("decode_m64_heavy", 64, 2048, 5632, "heavy_tailed", 60.0, 580.0),
-        Case("decode_m1_half_dense", 1, 2048, 5632, "uniform", 2816.0),
-    ]
-}
-SUITES = {
-    "smoke": ["smoke_uniform", "smoke_heavy"],
-    "paper": ["m16k_uniform28", "m16k_heavy", "m16k_uniform2pct", "m16k_trained", "decode_m1",
-              "decode_m8", "decode_m64", "wide_m16k_uniform28", "m128k_uniform28"],
-    "training": ["m16k_uniform28", "m16k_heavy", "m16k_hot_units"],
-    "decode": ["decode_m1", "decode_m8", "decode_m64", "decode_m8_heavy", "decode_m64_heavy",
-               "decode_m1_half_dense"],
-}
-
-
 # ----------------------------------------------------------------------------------------
 # Inputs with controlled sparsity (the bias trick: x[:, -1] = 1, w_gate[-1] = -threshold).
 
 
-def _tail(z: np.ndarray) -> np.ndarray:
-    """P(N(0, 1) > z), vectorised, without scipy."""
-    return 0.5 * np.vectorize(math.erfc)(np.asarray(z, np.float64) / math.sqrt(2.0))
-
-
-def _calibrate(case: Case, rng: np.random.Generator):
-    """(threshold, lognormal sigma) giving the target mean (and p99) active units per token."""
-    f = case.f
-    if case.pattern == "uniform":
-        zs = np.linspace(0.0, 5.0, 5001)
-        threshold = zs[np.argmin(np.abs(_tail(zs) * f - case.nnz_target))]
-        return float(threshold), 0.0
-    scales = rng.standard_normal(20000)
-    best = None
-    for sigma in np.linspace(0.1, 1.5, 57):
-        s = np.exp(sigma * scales)
-        for t in np.linspace(1.5, 6.0, 91):
-            nnz = _tail(t / s) * f
-            err = abs(np.log(nnz.mean() / case.nnz_target)) + abs(
-                np.log(np.percentile(nnz, 99) / case.p99_target))
-            if best is None or err < best[0]:
-                best = (err, float(t), float(sigma))
-    return best[1], best[2]
-
-
-TRAINED_THRESHOLD = 3.0  # the "trained" pattern's gate threshold, in pre-activation sigmas
-
-
-def trained_row_scales(m: int, f: int, rng: np.random.Generator) -> np.ndarray:
-    """[M] row scales s for the "trained" pattern: each row's count n is drawn from the trained
-    model's histogram and scaled by F / its F; a row of x scaled by s activates each unit with
-    probability P(N(0, 1) > TRAINED_THRESHOLD / s) = n / F, so its count is ~Binomial(F, n / F)."""
-    hist, d_ff = trained_histogram()
-    counts = rng.choice(len(hist), size=m, p=hist / hist.sum()) * (f / d_ff)
-    rate = np.clip(counts / f, 0.1 / f, 0.5)  # a row with no active unit: ~0.1 expected
-    z = np.asarray(jax.scipy.special.ndtri(jnp.asarray(1.0 - rate, jnp.float32)), np.float64)
-    return TRAINED_THRESHOLD / np.maximum(z, 1e-3)
-
-
-def make_case_inputs(case: Case, seed: int = 0):
-    """bf16 x [M, D] and weights with the case's sparsity; pre-activations ~ N(0, scale^2)."""
-    rng = np.random.default_rng(seed)
-    if case.pattern == "hot_units":
-        threshold, sigma = 0.0, 0.0
-    elif case.pattern == "trained":
-        threshold, sigma = TRAINED_THRESHOLD, 0.0
-    else:
-        threshold, sigma = _calibrate(case, rng)
-    key = jax.random.PRNGKey(seed)
-    kx, kg, ku, kd, ks = jax.random.split(key, 5)
-    m, d, f = case.m, case.d, case.f
-    x = jax.random.normal(kx, (m, d), jnp.float32)
-    if sigma > 0:
-        x = x * jnp.exp(sigma * jax.random.normal(ks, (m, 1)))
-    if case.pattern == "trained":
-        x = x * jnp.asarray(trained_row_scales(m, f, rng), jnp.float32)[:, None]
-    x = x.at[:, -1].set(1.0)
-    w_gate = jax.random.normal(kg, (d, f), jnp.float32) / math.sqrt(d - 1)
-    if case.pattern == "hot_units":
-        w_gate = inputs.with_threshold_row(
-            w_gate, inputs.firing_rates(f, case.nnz_target, "heavy"))
-    else:
-        w_gate = w_gate.at[-1].set(-threshold)
-    w_up = jax.random.normal(ku, (d, f), jnp.float32) / math.sqrt(d)
-    density = case.nnz_target / f
-    w_down = jax.random.normal(kd, (f, d), jnp.float32) / math.sqrt(f * density)
-    bf = lambda a: a.astype(jnp.bfloat16)
-    return bf(x), bf(w_gate), bf(w_up), bf(w_down)
-
-
-def sparsity_stats(x, w_gate, config: tj.TwELLConfig) -> tuple[dict, np.ndarray]:
-    """Active units per token (mean / p99 / max), (row, tile) pairs over S, heavy rows.
-
-    Returns the statistics and the [M] bool mask of heavy rows.
-    """
-    f = w_gate.shape[1]
-    t = config.tile_width
-
-    @jax.jit
-    def counts_of(x, w):
-        active = jnp.dot(x, w, preferred_element_type=jnp.float32) > 0
-        n_tiles = config.num_tiles(f)
-        active = jnp.pad(active, ((0, 0), (0, n_tiles * t - f)))
-        return active.reshape(x.shape[0], n_tiles, t).sum(-1, dtype=jnp.int32)
-
-    counts = counts_of(x, w_gate)
-    nnz = np.asarray(counts.sum(1))
-    over = np.asarray(counts > config.slots_per_tile)
-    heavy = np.asarray(heavy_rows(counts, config, f))
-    return {
-        "nnz_mean": float(nnz.mean()),
-        "nnz_p99": float(np.percentile(nnz, 99)),
-        "nnz_max": int(nnz.max()),
-        "tiles_over_S": float(over.mean()),
-        "heavy_rows": int(heavy.sum()),
-    }, heavy
-
-
 # ----------------------------------------------------------------------------------------
 # Checking and timing.
-
-
-def rel_error_float64(y, x, w_gate, w_up, w_down, rows: np.ndarray) -> float:
-    """||y - ref|| / ||ref|| on the given rows, ref in float64 numpy from the same bf16 inputs."""
-    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-    xs = f64(x[rows])
-    ref = (np.maximum(xs @ f64(w_gate), 0.0) * (xs @ f64(w_up))) @ f64(w_down)
-    got = f64(y[rows])
-    if not np.all(np.isfinite(got)):
-        return float("nan")
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-
-
-def time_ms(fn: Callable, *args, runs: int, min_batch_ms: float) -> dict:
-    """Per-call time in ms of back-to-back calls, and the latency of a lone call.
-
-    ``median_ms`` (and p10 / p90): the median over ``runs`` batches, each ``calls`` calls
-    queued back to back and synchronised once, of the batch's time / ``calls``. ``calls`` makes
-    a batch last at least ``min_batch_ms``, so the host's dispatch of one call overlaps the
-    GPU's work on the one before, as a layer in a model overlaps the previous layer's. With
-    one or two calls a batch (the default before 2026-11-25) the time also held the host's
-    dispatch: ~0.7 ms for the sparse FFN at M = 16384, whose route switch XLA re-records in its
-    command buffer at every call (BENCHMARKS.md run 69). ``latency_ms``: the median time of
-    single synchronised calls, dispatch included (what a lone call makes the caller wait)."""
-    jax.block_until_ready(fn(*args))  # compile
-    jax.block_until_ready(fn(*args))  # warm up
-    latencies = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        latencies.append((time.perf_counter() - t0) * 1e3)
-    t0 = time.perf_counter()  # a short stream, to size the batches
-    jax.block_until_ready([fn(*args) for _ in range(4)])
-    per_call = (time.perf_counter() - t0) * 1e3 / 4
-    calls = max(1, int(math.ceil(min_batch_ms / max(per_call, 1e-3))))
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) * 1e3 / calls)
-    return {**common.summarize_ms(samples), "calls_per_batch": calls,
-            "latency_ms": float(np.median(latencies))}
 
 
 def _check_rows(m: int, heavy_mask: np.ndarray, n: int, rng) -> np.ndarray:
@@ -425,7 +205,7 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     flax_mlp = jax.jit(lambda *a: flax_dense_mlp(*a))
     measure("flax: three bf16 nnx.Linear layers", flax_mlp, x, *weights)
 
-    # Stages alone (knob sweeps: experiments/bench_stages.py).
+    # Stages alone (knob sweeps: tools/bench_stages.py).
     mm = jax.jit(lambda a, b: jnp.dot(a, b))
     measure("stage: xla gate GEMM (x @ w_gate, bf16 out)", mm, x, w_gate, check=False)
     pre, pack = _gate_and_pack(x, w_gate, config)
@@ -575,28 +355,16 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
     return results
 
 
-def flax_dense_mlp(x, w_gate, w_up, w_down):
-    """The dense FFN as a Flax user writes it: three bias-free bf16 ``nnx.Linear`` layers
-    (bf16 GEMM outputs, fp32 accumulation inside), timed beside ``implementation="xla"``."""
-    from flax import nnx
-
-    (d, f), kw = w_gate.shape, dict(use_bias=False, dtype=x.dtype, param_dtype=w_gate.dtype,
-                                    rngs=nnx.Rngs(0))
-    gate, up, down = nnx.Linear(d, f, **kw), nnx.Linear(d, f, **kw), nnx.Linear(f, d, **kw)
-    gate.kernel[...], up.kernel[...], down.kernel[...] = w_gate, w_up, w_down
-    return down(jax.nn.relu(gate(x)) * up(x))
-
-
 def main(argv=None) -> list[dict]:
     # The flags were spelled --min_batch_ms once: both spellings stay accepted.
-    parser = common.flag_parser(BenchArgs, __doc__.split("\n")[0], underscore_aliases=True)
+    parser = cli.flag_parser(BenchArgs, __doc__.split("\n")[0], underscore_aliases=True)
     args = BenchArgs(**vars(parser.parse_args(argv)))
     names = SUITES.get(args.suite, args.suite.split(","))
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; have {sorted(CASES)} and suites {sorted(SUITES)}")
     config = tj.TwELLConfig()
-    header = common.header(" ".join(sys.argv), backend=jax.default_backend(),
+    header = cli.header(" ".join(sys.argv), backend=jax.default_backend(),
                            config=dataclasses.asdict(config), args=dataclasses.asdict(args))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []

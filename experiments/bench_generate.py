@@ -43,7 +43,7 @@ and a KV cache of ``context`` positions (bf16, the compute dtype):
   ``--force-sparse``; "lists" otherwise, which may still switch to dense GEMMs at run time), and
   the generated tokens (greedy, no stop token).
 
-``experiments/decode_hlo.py`` lists the weight-sized transposes and casts inside the compiled
+``tools/decode_hlo.py`` lists the weight-sized transposes and casts inside the compiled
 decode loop.
 
 One JSON line per measurement goes to ``--out`` (a header first); a table of pallas / xla
@@ -68,38 +68,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_model.py beside this file
-import common  # noqa: E402
-from bench_model import PowerSampler, calibrate, peak_bytes, time_call  # noqa: E402
+from twell_jax import cli
+from twell_jax.benchmarking.model_bench import calibrate, peak_bytes, time_call
+from twell_jax.benchmarking.power import PowerSampler
 
-from twell_jax import ffn as ffn_lib  # noqa: E402
-from twell_jax import model as model_lib  # noqa: E402
-from twell_jax.config import TwELLConfig  # noqa: E402
+from twell_jax import ffn as ffn_lib
+from twell_jax import model as model_lib
+from twell_jax.config import TwELLConfig
 
 IMPLEMENTATIONS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
 class GenBenchConfig:
-    presets: str = common.flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
-    batches: str = common.flag("1,8", "comma list of batch sizes (sequences decoded together)")
-    context: int = common.flag(2048, "cache length; prompts have context - new_tokens tokens")
-    new_tokens: int = common.flag(128, "tokens generated per sequence (1 from the prefill, the "
+    presets: str = cli.flag("0.5b,1.5b", "comma list of model presets (twell_jax.model.CONFIGS)")
+    batches: str = cli.flag("1,8", "comma list of batch sizes (sequences decoded together)")
+    context: int = cli.flag(2048, "cache length; prompts have context - new_tokens tokens")
+    new_tokens: int = cli.flag(128, "tokens generated per sequence (1 from the prefill, the "
                                        "rest decoded)")
-    mean_nnz: float = common.flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
-    runs: int = common.flag(5, "timed repetitions per measurement (median reported)")
-    hbm_bytes_per_s: float = common.flag(3.35e12, "memory bandwidth of the floors (H100 SXM)")
-    force_sparse: bool = common.flag(False, "pallas: never switch to the dense FFN (TwELLConfig("
+    mean_nnz: float = cli.flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
+    runs: int = cli.flag(5, "timed repetitions per measurement (median reported)")
+    hbm_bytes_per_s: float = cli.flag(3.35e12, "memory bandwidth of the floors (H100 SXM)")
+    force_sparse: bool = cli.flag(False, "pallas: never switch to the dense FFN (TwELLConfig("
                                       "dense_fallback_density=1.0)), as on a CPU")
-    subprocess: bool = common.flag(True, "each case in its own process (its own peak memory)")
-    seed: int = common.flag(0, "seed of the weights and the prompts")
-    out: str = common.flag("runs/bench_generate.jsonl",
+    subprocess: bool = cli.flag(True, "each case in its own process (its own peak memory)")
+    seed: int = cli.flag(0, "seed of the weights and the prompts")
+    out: str = cli.flag("runs/bench_generate.jsonl",
                            "JSON-lines file the records are appended to")
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[GenBenchConfig, str | None]:
     """(config, the internal --worker spec or None); exits with a message on a bad flag."""
-    cfg, worker, parser = common.parse_driver_args(GenBenchConfig, __doc__.split("\n")[0], argv)
+    cfg, worker, parser = cli.parse_driver_args(GenBenchConfig, __doc__.split("\n")[0], argv)
     try:
         for name in presets_of(cfg):
             if name not in model_lib.CONFIGS:
@@ -293,7 +293,7 @@ def run_case(spec: dict, cfg: GenBenchConfig, argv: Sequence[str],
     """Runs one worker, in a subprocess with ``cfg.subprocess``; returns its rows (an error
     row if it failed)."""
     if cfg.subprocess:
-        return common.run_worker(__file__, spec, argv, log)
+        return cli.run_worker(__file__, spec, argv, log)
     rows: list[dict] = []
     TASKS[spec["task"]](spec, cfg, rows.append)
     return rows
@@ -316,14 +316,14 @@ TASKS = {"calibrate": worker_calibrate, "measure": worker_measure}
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    return common.main_or_worker(argv, parse_args, TASKS, drive)
+    return cli.main_or_worker(argv, parse_args, TASKS, drive)
 
 
 def drive(cfg: GenBenchConfig, argv: Sequence[str]) -> list[dict]:
     """Calibrates each preset, measures every (implementation, batch), writes the rows and the
     ratio table."""
     header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "device": device_kind(cfg), "jax": jax.__version__, "commit": common.commit(),
+              "device": device_kind(cfg), "jax": jax.__version__, "commit": cli.commit(),
               "command": " ".join(["bench_generate.py", *argv]),
               "config": dataclasses.asdict(cfg)}
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ On a CPU, with fake devices (tiny model; about a minute):
         --presets tiny --batch 2x32 --runs 2 --implementations xla
 
 Per preset, one subprocess calibrates the FFN gate biases to ``--target-nnz`` active units per
-token (``bench_model.calibrate``) on the largest global batch, so every run's batch (its first
+token (``model_bench.calibrate``) on the largest global batch, so every run's batch (its first
 rows) has the calibrated sparsity. Then one subprocess per (implementation, mesh) times a
 training step (loss with the L1 term, backward, AdamW; remat by default) on:
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
@@ -42,13 +41,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_model  # noqa: E402  (calibration, timing and memory helpers shared with it)
-import common  # noqa: E402  (flags, header, worker dispatch)
-from common import flag  # noqa: E402
+from twell_jax.benchmarking import model_bench
+from twell_jax import cli
+from twell_jax.cli import flag
 
-from twell_jax import model as model_lib  # noqa: E402
-from twell_jax import backends, sharding  # noqa: E402
+from twell_jax import model as model_lib
+from twell_jax import backends, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +65,14 @@ class MultiConfig:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[MultiConfig, str | None]:
-    cfg, worker, parser = common.parse_driver_args(MultiConfig, __doc__.split("\n")[0], argv)
+    cfg, worker, parser = cli.parse_driver_args(MultiConfig, __doc__.split("\n")[0], argv)
     try:
         for name in _split(cfg.presets):
             if name not in model_lib.CONFIGS:
                 raise ValueError(f"unknown preset {name!r}; have {sorted(model_lib.CONFIGS)}")
         for impl in _split(cfg.implementations):
             backends.check(impl)
-        if len(bench_model.parse_shapes(cfg.batch, "--batch")) != 1:
+        if len(model_bench.parse_shapes(cfg.batch, "--batch")) != 1:
             raise ValueError(f"--batch: expected one BxT, got {cfg.batch!r}")
         if any(int(k) < 1 for k in _split(cfg.fsdp)):
             raise ValueError(f"--fsdp sizes must be positive, got {cfg.fsdp!r}")
@@ -104,11 +102,11 @@ def meshes(cfg: MultiConfig, n_devices: int) -> list[dict]:
     return runs
 
 
-def _bench_config(cfg: MultiConfig, n_devices: int) -> bench_model.BenchConfig:
+def _bench_config(cfg: MultiConfig, n_devices: int) -> model_bench.BenchConfig:
     """bench_model's view: its training batch is the largest global batch (the calibration
     batch); no prefill or decode measurements."""
-    b, t = bench_model.parse_shapes(cfg.batch, "--batch")[0]
-    return bench_model.BenchConfig(presets="", target_nnz=cfg.target_nnz, pattern=cfg.pattern,
+    b, t = model_bench.parse_shapes(cfg.batch, "--batch")[0]
+    return model_bench.BenchConfig(presets="", target_nnz=cfg.target_nnz, pattern=cfg.pattern,
                                    prefill="", train_batch=f"{b * n_devices}x{t}", decode="",
                                    runs=cfg.runs, remat=cfg.remat, l1_coeff=cfg.l1_coeff,
                                    seed=cfg.seed)
@@ -123,14 +121,14 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
     devices = jax.devices()[:spec["devices"]]
     mesh = sharding.make_mesh(sharding.parse_mesh(spec["mesh"], len(devices)), devices)
     bcfg = _bench_config(cfg, spec["all_devices"])
-    model = bench_model.build_model(preset, impl, bcfg)
+    model = model_bench.build_model(preset, impl, bcfg)
     for block, bias in zip(model.blocks, np.load(spec["bias_file"])):
         block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
     for obj in (model, optimizer):
         sharding.shard_state(obj, mesh)
-    b, t = bench_model.parse_shapes(cfg.batch, "")[0]
-    tokens = bench_model.token_batch(model.cfg, bcfg, b * len(devices), t + 1)
+    b, t = model_bench.parse_shapes(cfg.batch, "")[0]
+    tokens = model_bench.token_batch(model.cfg, bcfg, b * len(devices), t + 1)
     tokens = sharding.shard_batch(np.asarray(tokens), mesh)
 
     @nnx.jit
@@ -142,8 +140,8 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
 
     with jax.set_mesh(mesh):
         loss, nnz, fallback = jax.device_get(train_step(model, optimizer, tokens))
-        timing = bench_model.time_call(lambda: train_step(model, optimizer, tokens), cfg.runs)
-        compiled = bench_model.compiled_bytes(train_step.lower(model, optimizer, tokens))
+        timing = model_bench.time_call(lambda: train_step(model, optimizer, tokens), cfg.runs)
+        compiled = model_bench.compiled_bytes(train_step.lower(model, optimizer, tokens))
     stats = [d.memory_stats() for d in devices]
     peaks = [None if not s else int(s.get("peak_bytes_in_use", 0)) for s in stats]
     global_tokens = b * len(devices) * t
@@ -156,7 +154,7 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
 
 
 def worker_calibrate(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
-    bench_model.worker_calibrate(spec, _bench_config(cfg, spec["all_devices"]), emit)
+    model_bench.worker_calibrate(spec, _bench_config(cfg, spec["all_devices"]), emit)
 
 
 # ------------------------------------------------------------------------------------------
@@ -165,14 +163,14 @@ def worker_calibrate(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     """Runs the benchmark (or, with ``--worker``, one of its subprocesses); returns the rows."""
-    return common.main_or_worker(argv, parse_args, {"calibrate": worker_calibrate,
+    return cli.main_or_worker(argv, parse_args, {"calibrate": worker_calibrate,
                                                     "measure": worker_measure}, drive)
 
 
 def drive(cfg: MultiConfig, argv: list[str]) -> list[dict]:
     """The driver: one worker subprocess per calibration and measurement."""
     n = jax.device_count()
-    header = common.header(" ".join(["bench_multi_gpu.py", *argv]), devices=n,
+    header = cli.header(" ".join(["bench_multi_gpu.py", *argv]), devices=n,
                            config=dataclasses.asdict(cfg))
     runs = meshes(cfg, n)
     skipped = [k for k in (int(v) for v in _split(cfg.fsdp)) if k > 1 and n % k]
@@ -189,7 +187,7 @@ def drive(cfg: MultiConfig, argv: list[str]) -> list[dict]:
             specs = [{"task": "calibrate", **base}]
             specs += [{"task": "measure", "implementation": impl, **base, **run}
                       for impl in _split(cfg.implementations) for run in runs]
-            rows += common.run_specs(__file__, specs, argv, out, header["commit"], log)
+            rows += cli.run_specs(__file__, specs, argv, out, header["commit"], log)
     print_table(scaling_table(rows))
     return rows
 

@@ -28,13 +28,12 @@ from typing import Sequence
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # train.py beside this file
-import train  # noqa: E402
-import common  # noqa: E402
-from common import flag, flag_parser  # noqa: E402
+from twell_jax import checkpoints, data
+from twell_jax import cli
+from twell_jax.cli import flag, flag_parser
 
-from twell_jax import model as model_lib  # noqa: E402
-from twell_jax.backends import IMPLEMENTATIONS  # noqa: E402
+from twell_jax import model as model_lib
+from twell_jax.backends import IMPLEMENTATIONS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,7 +59,7 @@ class GenerateConfig:
     chunk: int = flag(16, "decode steps per jitted call (each chunk is printed as it comes)")
     stop: bool = flag(True, "stop at the end-of-text token (the --hf config's eos_token_id, "
                              "else the tokenizer's separator)")
-    compile_cache: str = flag(common.DEFAULT_COMPILE_CACHE, "folder that keeps the compiled "
+    compile_cache: str = flag(cli.DEFAULT_COMPILE_CACHE, "folder that keeps the compiled "
                               "prefill and decode loop, so a rerun skips compiling ('' for none)")
 
 
@@ -105,8 +104,8 @@ def load(cfg: GenerateConfig):
             raise SystemExit(f"--model {cfg.model} differs from the run's {run_cfg['model']}")
         model = model_lib.build(run_cfg["model"],
                                 implementation=cfg.implementation or run_cfg["implementation"])
-        manager = train.checkpoint_manager(run)
-        step = train.restore_checkpoint(manager, model)
+        manager = checkpoints.checkpoint_manager(run)
+        step = checkpoints.restore_checkpoint(manager, model)
         manager.close()
         if not step:
             raise SystemExit(f"--checkpoint {run}: no checkpoint under {run / 'ckpt'}")
@@ -117,7 +116,7 @@ def load(cfg: GenerateConfig):
                                 implementation=cfg.implementation or "xla")
         tokenizer_spec = cfg.tokenizer or "bytes"
         what = f"{cfg.model or 'tiny'} with random weights"
-    tokenizer = train.make_tokenizer(tokenizer_spec)
+    tokenizer = data.make_tokenizer(tokenizer_spec)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise SystemExit(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's "
                          f"vocabulary {model.cfg.vocab_size}")
@@ -149,7 +148,7 @@ class _Printer:
 def main(argv: Sequence[str] | None = None, *, quiet: bool = False) -> dict:
     """Runs the command line; returns a summary (text, tokens, timings, FFN activity)."""
     cfg = parse_args(argv)
-    common.use_compile_cache(cfg.compile_cache)
+    cli.use_compile_cache(cfg.compile_cache)
     log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     model, tokenizer, stop, description = load(cfg)
     log(f"model: {description}")

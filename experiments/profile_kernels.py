@@ -46,15 +46,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_ffn  # noqa: E402
-import common  # noqa: E402
-from common import flag  # noqa: E402
-from bench_model import (adamw_step, calibrate, jit_over_state, last_logits,  # noqa: E402
+from twell_jax.benchmarking import ffn_cases
+from twell_jax import cli
+from twell_jax.cli import flag
+from twell_jax.benchmarking.model_bench import (adamw_step, calibrate, jit_over_state, last_logits,
                          timing_optimizer)
 
-import twell_jax as tj  # noqa: E402
-from twell_jax import model as model_lib  # noqa: E402
+import twell_jax as tj
+from twell_jax import model as model_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +246,7 @@ def decode_program(model, prompts, steps: int, context: int):
 def ffn_programs(case_name: str, implementation: str, l1_coeff: float):
     """[(program, call, hlo)]: one FFN layer on ``bench_ffn`` case ``case_name``'s inputs,
     forward (no statistics) and forward + backward (the four gradients, the L1 term)."""
-    x, *weights = bench_ffn.make_case_inputs(bench_ffn.CASES[case_name])
+    x, *weights = ffn_cases.make_case_inputs(ffn_cases.CASES[case_name])
     dy = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
     f32 = lambda a: a.astype(jnp.float32)
 
@@ -284,8 +283,8 @@ def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
     rows = []
     impls = [s for s in cfg.implementations.split(",") if s]
     for case_name in filter(None, cfg.ffn.split(",")):
-        if case_name not in bench_ffn.CASES:
-            raise ValueError(f"unknown --ffn case {case_name!r}; have {sorted(bench_ffn.CASES)}")
+        if case_name not in ffn_cases.CASES:
+            raise ValueError(f"unknown --ffn case {case_name!r}; have {sorted(ffn_cases.CASES)}")
         for impl in impls:
             for program, call, hlo in ffn_programs(case_name, impl, cfg.l1_coeff):
                 row = _profile_row(case_name, program, impl, call, hlo, cfg, sources=True)
@@ -345,7 +344,7 @@ def print_table(rows: list[dict], top: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    parser = common.flag_parser(ProfileConfig, __doc__)
+    parser = cli.flag_parser(ProfileConfig, __doc__)
     cfg = ProfileConfig(**vars(parser.parse_args(argv)))
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
     with open(cfg.out, "a") as f:
@@ -353,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             f.write(json.dumps(row) + "\n")
             f.flush()
         command = sys.argv if argv is None else ["profile_kernels.py", *argv]
-        emit(common.header(" ".join(command), **dataclasses.asdict(cfg)))
+        emit(cli.header(" ".join(command), **dataclasses.asdict(cfg)))
         rows = run(cfg, emit)
     print_table(rows, cfg.top)
     return rows

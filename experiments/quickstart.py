@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,12 +31,11 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import flag, flag_parser  # noqa: E402  (the scripts' shared flags)
+from twell_jax.cli import flag, flag_parser
 
-import twell_jax  # noqa: E402
-from twell_jax import nn  # noqa: E402
-from twell_jax.inputs import gaussian_rows, with_threshold_row  # noqa: E402
+import twell_jax
+from twell_jax import nn
+from twell_jax.inputs import gaussian_rows, with_threshold_row
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 from typing import Sequence
@@ -44,17 +42,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-from common import flag, flag_parser  # noqa: E402  (the scripts' shared flags)
+from twell_jax import cli
+from twell_jax.cli import flag, flag_parser
 
-from twell_jax import model as model_lib  # noqa: E402
-from twell_jax import sharding  # noqa: E402
-from twell_jax.backends import IMPLEMENTATIONS  # noqa: E402
+from twell_jax import model as model_lib
+from twell_jax import sharding
+from twell_jax.backends import IMPLEMENTATIONS
+from twell_jax.data import (Corpus, EVAL_STREAM, TRAIN_STREAM, load_corpus, make_tokenizer, sample_batch)
+from twell_jax.checkpoints import (checkpoint_manager, restore_checkpoint, save_checkpoint)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,7 +92,7 @@ class TrainConfig:
                           "parameters and optimizer state over fsdp; default: all on data")
     distributed: bool = flag(False, "call jax.distributed.initialize() first (multi-host: "
                                      "one process per host; coordinator from the environment)")
-    compile_cache: str = flag(common.DEFAULT_COMPILE_CACHE, "folder that keeps the compiled "
+    compile_cache: str = flag(cli.DEFAULT_COMPILE_CACHE, "folder that keeps the compiled "
                               "steps, so a rerun or --resume skips compiling ('' for none)")
 
     @property
@@ -128,137 +126,6 @@ def parse_args(argv: Sequence[str] | None) -> TrainConfig:
 
 # ------------------------------------------------------------------------------------------
 # Data: tokenized files concatenated with a separator; random windows seeded by step.
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (vocabulary 256); documents are separated by byte 0 (NUL)."""
-
-    vocab_size = 256
-    separator = 0
-
-    def encode(self, data: bytes) -> np.ndarray:
-        return np.frombuffer(data, np.uint8)
-
-    def decode(self, tokens) -> str:
-        """Token ids -> text; invalid UTF-8 (a sequence cut inside a character) is replaced."""
-        return bytes(np.asarray(tokens, np.uint8).tolist()).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` package."""
-
-    _SEPARATORS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
-
-    def __init__(self, path: str):
-        try:
-            import tokenizers
-        except ImportError as e:
-            raise SystemExit(
-                f"--tokenizer {path}: the 'tokenizers' package is not installed; "
-                "`pip install tokenizers`, or use --tokenizer bytes") from e
-        self._tok = tokenizers.Tokenizer.from_file(path)
-        self.vocab_size = self._tok.get_vocab_size()
-        ids = [self._tok.token_to_id(t) for t in self._SEPARATORS]
-        self.separator = next((i for i in ids if i is not None), 0)
-
-    def encode(self, data: bytes) -> np.ndarray:
-        return np.asarray(self._tok.encode(data.decode("utf-8", errors="replace")).ids, np.int32)
-
-    def decode(self, tokens) -> str:
-        return self._tok.decode([int(t) for t in tokens])
-
-
-def make_tokenizer(spec: str):
-    return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
-
-
-@dataclasses.dataclass(frozen=True)
-class Corpus:
-    """Token streams: ``train`` and ``heldout`` (1-D integer arrays)."""
-
-    train: np.ndarray
-    heldout: np.ndarray
-    vocab_size: int
-    description: str
-
-
-def default_data_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def _text_files(root: Path, default: bool) -> list[Path]:
-    """Sorted text files under root: for the stdlib, its .py files outside site-packages;
-    otherwise every non-hidden file whose first 8 KB hold no NUL byte."""
-    files = []
-    for path in sorted(root.rglob("*")):
-        parts = path.relative_to(root).parts
-        if any(p.startswith(".") or p in ("__pycache__", "site-packages", "dist-packages")
-               for p in parts) or not path.is_file():
-            continue
-        if default:
-            if path.suffix == ".py":
-                files.append(path)
-        else:
-            with open(path, "rb") as f:
-                if b"\0" not in f.read(8192):
-                    files.append(path)
-    return files
-
-
-def is_heldout(relative_path: str, fraction: float) -> bool:
-    """Deterministic split by a hash of the file's path relative to the data folder."""
-    h = int.from_bytes(hashlib.sha256(relative_path.encode()).digest()[:8], "little")
-    return h / 2**64 < fraction
-
-
-def load_corpus(data: str, tokenizer, heldout_fraction: float = 0.05) -> Corpus:
-    """Reads and tokenizes ``data`` (see ``TrainConfig.data``) into train and held-out streams."""
-    default = not data
-    root = default_data_dir() if default else Path(data)
-    if not root.exists():
-        raise FileNotFoundError(f"--data {root} does not exist")
-    if root.is_file():
-        if root.suffix == ".npy":
-            tokens = np.load(root, mmap_mode="r")
-        elif root.suffix == ".bin":
-            tokens = np.memmap(root, dtype=np.uint16, mode="r")
-        else:
-            raise ValueError(f"--data {root}: a token file must end in .npy or .bin")
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"--data {root}: expected a 1-D integer array, got "
-                             f"{tokens.dtype} {tokens.shape}")
-        cut = int(len(tokens) * (1 - heldout_fraction))
-        vocab = int(tokens.max()) + 1 if len(tokens) else 0
-        return Corpus(tokens[:cut], tokens[cut:], max(vocab, tokenizer.vocab_size),
-                      f"{root} ({len(tokens):,} tokens)")
-    files = _text_files(root, default)
-    if not files:
-        raise ValueError(f"--data {root}: no text files found")
-    sep = np.asarray([tokenizer.separator], np.int32)
-    parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
-    for path in files:
-        held = is_heldout(path.relative_to(root).as_posix(), heldout_fraction)
-        parts[held] += [tokenizer.encode(path.read_bytes()).astype(np.int32), sep]
-    dtype = np.uint8 if tokenizer.vocab_size <= 256 else np.int32
-    train, heldout = (np.concatenate(parts[h]).astype(dtype) if parts[h] else np.zeros(0, dtype)
-                      for h in (False, True))
-    return Corpus(train, heldout, tokenizer.vocab_size,
-                  f"{root}: {len(files)} files, {len(train):,} train / {len(heldout):,} held-out "
-                  "tokens")
-
-
-def sample_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int,
-                 stream: int = 0) -> np.ndarray:
-    """[batch_size, seq_len + 1] int32 random windows; a pure function of (seed, stream, step)."""
-    n = len(tokens) - seq_len
-    if n < 1:
-        raise ValueError(f"need more than seq_len + 1 = {seq_len + 1} tokens, got {len(tokens)}")
-    rng = np.random.default_rng([seed, stream, step])
-    starts = rng.integers(0, n, size=batch_size)
-    return np.stack([np.asarray(tokens[s:s + seq_len + 1], np.int32) for s in starts])
-
-
-TRAIN_STREAM, EVAL_STREAM = 0, 1
 
 
 # ------------------------------------------------------------------------------------------
@@ -392,34 +259,6 @@ def evaluate(model, corpus: Corpus, cfg: TrainConfig, mesh: jax.sharding.Mesh) -
 # Checkpoints, logs, plot.
 
 
-def checkpoint_manager(run_dir: Path) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        (run_dir / "ckpt").absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-
-
-def save_checkpoint(manager: ocp.CheckpointManager, step: int, model, optimizer) -> None:
-    manager.save(step, args=ocp.args.Composite(
-        model=ocp.args.StandardSave(nnx.state(model)),
-        optimizer=ocp.args.StandardSave(nnx.state(optimizer))))
-    manager.wait_until_finished()
-
-
-def restore_checkpoint(manager: ocp.CheckpointManager, model, optimizer=None) -> int:
-    """Loads the newest checkpoint into model and optimizer (only the model when optimizer is
-    None, as for sampling); returns its step (0 if none)."""
-    step = manager.latest_step()
-    if step is None:
-        return 0
-    targets = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
-    abstract = lambda obj: jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(obj))
-    restored = manager.restore(step, args=ocp.args.Composite(
-        **{name: ocp.args.StandardRestore(abstract(obj)) for name, obj in targets.items()}))
-    for name, obj in targets.items():
-        nnx.update(obj, restored[name])
-    return int(step)
-
-
 def _jsonable(value):
     if isinstance(value, (np.ndarray, jax.Array)):
         value = np.asarray(value)
@@ -476,7 +315,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
     ``stop_after`` ends the run after that step (saving a checkpoint), as if it were killed
     there: tests use it to check that ``--resume`` continues exactly. ``corpus`` skips loading.
     """
-    common.use_compile_cache(cfg.compile_cache)
+    cli.use_compile_cache(cfg.compile_cache)
     if cfg.distributed:
         jax.distributed.initialize()
     try:

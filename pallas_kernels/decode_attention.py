@@ -179,7 +179,7 @@ def default_decode_attention_config(b: int, s: int, n_kv: int, h: int) -> Decode
     """~512 programs (about 4 per SM of an H100) when (B, Nkv) pairs are fewer: S is split into
     power-of-two chunks of 64 to 1024 positions; tiles of ~4K values (64 rows at H = 64).
 
-    H100 (experiments/probe_decode_attention.py, BENCHMARKS.md run 18; S = 2048, 32 heads of
+    H100 (tools/probe_decode_attention.py, BENCHMARKS.md run 18; S = 2048, 32 heads of
     64, per call with 1.7-2.3 us of loop): B = 1, full cache 13.8 us (the best config 12.9:
     256-position chunks, 8 warps), position 512 9.1 (best 8.3: 64-position chunks, 2 warps);
     B = 8 55.2 (best). Inside the 0.5b model's decode loop: 8.1 us per layer."""

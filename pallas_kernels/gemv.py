@@ -159,7 +159,7 @@ class GemvConfig:
 
 
 def default_gemv_config(m: int, d: int, f: int) -> GemvConfig:
-    """The fastest configs of ``experiments/probe_gemv.py`` on the H100 (BENCHMARKS.md, decode
+    """The fastest configs of ``tools/probe_gemv.py`` on the H100 (BENCHMARKS.md, decode
     kernels), D = 2048, bf16, per call:
 
     * M < 16: the dot on x padded to 16 rows, 128-column blocks, 64-row steps, D split 8 ways:

@@ -10,6 +10,7 @@ import pytest
 
 import twell_jax as tj
 from tests.utils import load_experiment
+from twell_jax.benchmarking import ffn_cases
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_float32_master_weights(bench, tmp_path, monkeypatch):
 
 def test_trained_pattern_follows_the_trained_models_counts(bench):
     case = bench.CASES["smoke_trained"]
-    hist, d_ff = bench.trained_histogram()
+    hist, d_ff = ffn_cases.trained_histogram()
     assert d_ff == 2560 and hist.sum() > 0
     want_mean = (hist * np.arange(len(hist))).sum() / hist.sum() * case.f / d_ff
     assert case.nnz_target == pytest.approx(want_mean)

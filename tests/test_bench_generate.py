@@ -59,7 +59,7 @@ def test_bad_flags_exit(bench):
 
 
 def test_decode_hlo_lists_weight_ops():
-    """experiments/decode_hlo.py: the dense model's decode loop casts or transposes no weight
+    """tools/decode_hlo.py: the dense model's decode loop casts or transposes no weight
     every step (bf16 parameters: nothing to cast; XLA keeps the rest outside the loop)."""
     with load_experiment("decode_hlo") as tool:
         found = tool.main(["--preset", "tiny", "--implementation", "xla"])

@@ -8,6 +8,7 @@ import pytest
 
 from tests.utils import load_experiment
 from twell_jax import inputs
+from twell_jax.benchmarking import model_bench, power
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +33,11 @@ def test_firing_rates_reject_an_unknown_pattern():
 
 def test_calibration_hits_the_target(bench):
     cfg = bench.BenchConfig(presets="tiny", train_batch="8x64", target_nnz=28.0 * 8)
-    model = bench.build_model("tiny", "xla", cfg)
-    tokens = bench.calibration_tokens(model.cfg, cfg)
+    model = model_bench.build_model("tiny", "xla", cfg)
+    tokens = model_bench.calibration_tokens(model.cfg, cfg)
     target = cfg.target_nnz * model.cfg.d_ff / 5632  # 10.2 of 256 units
-    bench.calibrate(model, tokens, target, "uniform", lambda _: None)
-    stats = bench.layer_statistics(model, tokens)
+    model_bench.calibrate(model, tokens, target, "uniform", lambda _: None)
+    stats = model_bench.layer_statistics(model, tokens)
     assert all(0.7 * target < n < 1.3 * target for n in stats["nnz_mean"]), stats["nnz_mean"]
 
 
@@ -145,7 +146,7 @@ def test_power_summary(bench):
     # (time s, power W, SM clock MHz, clock event reasons): the board at its power limit in
     # the last two samples (SW power cap, then the HW power brake with the idle bit).
     samples = [(0.0, 100.0, 1980, 0), (1.0, 300.0, 1700, 0x4), (2.0, 300.0, 1500, 0x81)]
-    got = bench.summarize_power(samples, 612.5, {"power_limit_w": 700.0})
+    got = power.summarize_power(samples, 612.5, {"power_limit_w": 700.0})
     assert got["energy_j"] == 612.5  # the driver's counter
     assert got["energy_sampled_j"] == pytest.approx(200.0 + 300.0)  # trapezoid
     assert got["mean_power_w"] == pytest.approx(700.0 / 3)

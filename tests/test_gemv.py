@@ -1,6 +1,6 @@
 """``gemv`` (decode-sized products ``x @ w + bias``: the FFN gate, the attention projections)
 against numpy float64 and its jnp reference, in interpret mode on the CPU (compiled on a GPU:
-``tests/test_lowering.py`` checks the Triton lowering, ``experiments/probe_gemv.py`` times
+``tests/test_lowering.py`` checks the Triton lowering, ``tools/probe_gemv.py`` times
 it)."""
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from tests.test_hf import HF_CONFIG, hf_weights, write_hf_folder
 from tests.utils import TOLERANCES, load_experiment, rel_err
 from twell_jax import model as model_lib
 from twell_jax.config import TwELLConfig
+from twell_jax import data
 
 PROMPTS = [[5, 104, 101, 108, 108, 111], [7, 200, 33, 64]]
 NEW = 8
@@ -438,11 +439,10 @@ def test_script_hf_folder(script, tmp_path, monkeypatch):
 
 def test_printer_holds_back_split_characters(script, capsys):
     """A UTF-8 character cut between two chunks is printed once it is complete."""
-    with load_experiment("train") as train:
-        printer = script._Printer(train.ByteTokenizer(), quiet=False)
-        printer.add(list("dé".encode())[:2])  # "d" and the first byte of "é"
-        assert capsys.readouterr().out == "d"
-        printer.add(list("é!".encode())[1:])
-        assert capsys.readouterr().out == "é!"
-        printer.add([0xff], final=True)  # invalid at the end: printed as a replacement
-        assert capsys.readouterr().out == "\ufffd" and printer.printed == "dé!\ufffd"
+    printer = script._Printer(data.ByteTokenizer(), quiet=False)
+    printer.add(list("dé".encode())[:2])  # "d" and the first byte of "é"
+    assert capsys.readouterr().out == "d"
+    printer.add(list("é!".encode())[1:])
+    assert capsys.readouterr().out == "é!"
+    printer.add([0xff], final=True)  # invalid at the end: printed as a replacement
+    assert capsys.readouterr().out == "\ufffd" and printer.printed == "dé!\ufffd"

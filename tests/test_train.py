@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from tests.utils import load_experiment
+from twell_jax import data
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +52,10 @@ TINY_FLAGS = ["--steps", "4", "--model", "tiny", "--implementation", "reference"
 
 
 def test_corpus_split(train, text_dir):
-    tok = train.ByteTokenizer()
-    corpus = train.load_corpus(str(text_dir), tok, heldout_fraction=0.2)
+    tok = data.ByteTokenizer()
+    corpus = data.load_corpus(str(text_dir), tok, heldout_fraction=0.2)
     files = sorted(p for p in text_dir.rglob("doc*.txt"))
-    held = [p for p in files if train.is_heldout(p.relative_to(text_dir).as_posix(), 0.2)]
+    held = [p for p in files if data.is_heldout(p.relative_to(text_dir).as_posix(), 0.2)]
     assert 0 < len(held) < len(files)
     total = sum(p.stat().st_size + 1 for p in files)  # + 1 separator per file
     assert len(corpus.train) + len(corpus.heldout) == total
@@ -65,12 +66,12 @@ def test_corpus_split(train, text_dir):
         assert b"\x01\x02" not in stream.tobytes()  # the binary file was skipped
     # The held-out stream is the held-out files' bytes, in order, each followed by byte 0.
     assert corpus.heldout.tobytes() == b"".join(p.read_bytes() + b"\0" for p in held)
-    again = train.load_corpus(str(text_dir), tok, heldout_fraction=0.2)
+    again = data.load_corpus(str(text_dir), tok, heldout_fraction=0.2)
     np.testing.assert_array_equal(again.train, corpus.train)
 
 
 def test_sample_batch_deterministic(train, text_dir):
-    corpus = train.load_corpus(str(text_dir), train.ByteTokenizer(), 0.2)
+    corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
     a = train.sample_batch(corpus.train, 3, 16, seed=7, step=5)
     b = train.sample_batch(corpus.train, 3, 16, seed=7, step=5)
     assert a.shape == (3, 17) and a.dtype == np.int32
@@ -90,7 +91,7 @@ def test_token_files(train, tmp_path):
     np.save(tmp_path / "t.npy", tokens.astype(np.int32))
     tokens.tofile(tmp_path / "t.bin")
     for name in ("t.npy", "t.bin"):
-        corpus = train.load_corpus(str(tmp_path / name), train.ByteTokenizer(), 0.1)
+        corpus = data.load_corpus(str(tmp_path / name), data.ByteTokenizer(), 0.1)
         np.testing.assert_array_equal(corpus.train, tokens[:900])
         np.testing.assert_array_equal(corpus.heldout, tokens[900:])
         assert corpus.vocab_size == 300
@@ -101,7 +102,7 @@ def test_token_files(train, tmp_path):
 
 
 def test_default_corpus_is_stdlib(train):
-    files = train._text_files(train.default_data_dir(), default=True)
+    files = data._text_files(data.default_data_dir(), default=True)
     names = {p.name for p in files}
     assert {"os.py", "argparse.py"} <= names
     assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in files)
@@ -147,7 +148,7 @@ def _states_equal(a, b):
 
 def test_checkpoint_round_trip(train, text_dir, tmp_path):
     cfg = train.parse_args(TINY_FLAGS + ["--out-dir", str(tmp_path)])
-    corpus = train.load_corpus(str(text_dir), train.ByteTokenizer(), 0.2)
+    corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
     model, optimizer = train.build(cfg, corpus.vocab_size)
     batch = train.sample_batch(corpus.train, 4, 32, 0, 0)
     train.train_step(model, optimizer, batch, np.float32(0.01))
@@ -162,7 +163,7 @@ def test_checkpoint_round_trip(train, text_dir, tmp_path):
 
 
 def test_exact_resume(train, text_dir, tmp_path):
-    corpus = train.load_corpus(str(text_dir), train.ByteTokenizer(), 0.2)
+    corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
     flags = TINY_FLAGS + ["--ckpt-every", "2", "--eval-every", "0"]
     full = train.parse_args(flags + ["--out-dir", str(tmp_path / "full")])
     split = train.parse_args(flags + ["--out-dir", str(tmp_path / "split")])

@@ -137,9 +137,13 @@ def dense_ffn_f32(x, *weights, bias=None):
 
 @contextlib.contextmanager
 def load_experiment(name: str):
-    """Imports ``experiments/<name>.py`` as module ``name`` for the duration of the block
-    (registered in sys.modules: dataclasses look their module up by name)."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+    """Imports ``experiments/<name>.py`` (or ``tools/<name>.py``) as module ``name`` for the
+    duration of the block (registered in sys.modules: dataclasses look their module up by
+    name)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    path = root / "experiments" / f"{name}.py"
+    if not path.exists():
+        path = root / "tools" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -1,7 +1,7 @@
 """Probe: decode attention over a KV cache on the GPU, XLA vs cuDNN vs the Pallas kernel.
 
-    python experiments/probe_decode_attention.py            # H100, < 2 minutes
-    python experiments/probe_decode_attention.py --smoke    # CPU, interpret mode, tiny shapes
+    python tools/probe_decode_attention.py            # H100, < 2 minutes
+    python tools/probe_decode_attention.py --smoke    # CPU, interpret mode, tiny shapes
 
 Cases (bf16, N = Nkv = 32 heads of 64, S = 2048, the 0.5b model's decode step): B = 1 and 8
 with the query at the cache's end (positions = S - 1), and B = 1 at positions = S / 4 (a short
@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import time
 import traceback
 
@@ -38,11 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels.decode_attention import (DecodeAttentionConfig,  # noqa: E402
+from pallas_kernels.decode_attention import (DecodeAttentionConfig,
                                              decode_attention, decode_attention_reference,
                                              default_decode_attention_config)
-from twell_jax import model  # noqa: E402
+from twell_jax import model
 
 LAYERS = 8
 

@@ -1,7 +1,8 @@
 """The toolkit the experiment scripts share: dataclass flags, the run header, the timer summary
 and the main/worker dispatch of the benchmarks that run one subprocess per measurement.
 
-Scripts import it as ``common`` with this folder on ``sys.path`` (each script puts it there).
+Importing it sets the XLA flag the sparse FFN's route switches want (``twell_jax.xla_flags``),
+so a script imports it before its first computation.
 """
 
 from __future__ import annotations

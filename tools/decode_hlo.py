@@ -6,8 +6,8 @@ transpose), split into those inside the ``lax.while_loop`` body (paid every deco
 branch" when under a ``conditional``, e.g. the sparse FFN's ``lax.cond``) and those XLA left in
 the entry computation (paid once per call, e.g. casts it hoisted out of the loop):
 
-    python experiments/decode_hlo.py --preset tiny --implementation pallas
-    python experiments/decode_hlo.py --preset 0.5b --implementation pallas --force-sparse \\
+    python tools/decode_hlo.py --preset tiny --implementation pallas
+    python tools/decode_hlo.py --preset 0.5b --implementation pallas --force-sparse \\
         --param-dtype float32 --hlo-out runs/decode_0.5b.hlo.txt
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -23,9 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from twell_jax import model as model_lib  # noqa: E402
-from twell_jax.config import TwELLConfig  # noqa: E402
+from twell_jax import model as model_lib
+from twell_jax.config import TwELLConfig
 
 _OP = re.compile(r"= (\w+)\[([\d,]*)\]\S*\s+(transpose|convert|copy)\(")
 _CALLED = re.compile(r"(calls|body|condition|to_apply|branch_computations|true_computation|"

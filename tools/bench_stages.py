@@ -1,6 +1,6 @@
 """Stage-by-stage timing of the sparse FFN's kernels and their variants (H100 probe).
 
-    python experiments/bench_stages.py --cases m16k_uniform28 --out runs/stages.jsonl
+    python tools/bench_stages.py --cases m16k_uniform28 --out runs/stages.jsonl
 
 Times, in one process: the dense FFN as a user writes it (three bf16 GEMMs; the same as plain
 ``nnx.Linear`` layers), ``implementation="xla"`` and ``"pallas"``, XLA's bare gate GEMM, the
@@ -15,20 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_ffn  # noqa: E402  (the case inputs and the timer)
+from twell_jax.benchmarking import ffn_cases
 
-import twell_jax as tj  # noqa: E402
-from pallas_kernels.row_pack import RowPackConfig, row_pack  # noqa: E402
-from pallas_kernels.row_up_down import (RowUpDownConfig, row_up_down,  # noqa: E402
+import twell_jax as tj
+from pallas_kernels.row_pack import RowPackConfig, row_pack
+from pallas_kernels.row_up_down import (RowUpDownConfig, row_up_down,
                                         row_up_down_reference)
-from pallas_kernels.sparse_outer import SparseOuterConfig, sparse_outer  # noqa: E402
+from pallas_kernels.sparse_outer import SparseOuterConfig, sparse_outer
 
 # row_pack (tiles_per_chunk, num_warps, num_stages)
 PACK_VARIANTS = [(4, 1, 2), (4, 1, 1), (4, 1, 3), (2, 1, 2), (4, 2, 2), (8, 1, 2)]
@@ -41,21 +39,21 @@ OUTER_VARIANTS = [(8, 512, 8, 2), (8, 256, 8, 2), (16, 512, 4, 1), (16, 256, 4, 
 
 
 def run(case_name: str, runs: int, emit, stages: tuple[str, ...] = ("forward",)) -> None:
-    case = bench_ffn.CASES[case_name]
-    x, wg, wu, wd = bench_ffn.make_case_inputs(case)
+    case = ffn_cases.CASES[case_name]
+    x, wg, wu, wd = ffn_cases.make_case_inputs(case)
     m, d = x.shape
     f = wg.shape[1]
     cfg = tj.TwELLConfig()
     slots = cfg.max_row_nnz(f)
-    timing = dict(runs=runs, min_batch_ms=25.0)  # back-to-back calls (bench_ffn.time_ms)
+    timing = dict(runs=runs, min_batch_ms=25.0)  # back-to-back calls (ffn_cases.time_ms)
     rows = np.random.default_rng(1).choice(m, min(m, 256), replace=False)
 
     def measure(stage, label, fn, *args, nbytes=None, y_check=False):
         out = fn(*args)
         err = None
         if y_check:
-            err = bench_ffn.rel_error_float64(out, x, wg, wu, wd, rows)
-        t = bench_ffn.time_ms(jax.jit(fn), *args, **timing)
+            err = ffn_cases.rel_error_float64(out, x, wg, wu, wd, rows)
+        t = ffn_cases.time_ms(jax.jit(fn), *args, **timing)
         row = {"case": case_name, "stage": stage, "variant": label, **t, "rel_err": err}
         if nbytes:
             row["TB_per_s"] = nbytes / (t["median_ms"] * 1e-3) / 1e12
@@ -67,7 +65,7 @@ def run(case_name: str, runs: int, emit, stages: tuple[str, ...] = ("forward",))
         return
     dense = lambda x, wg, wu, wd: jnp.dot(jax.nn.relu(jnp.dot(x, wg)) * jnp.dot(x, wu), wd)
     measure("ffn", "dense_bf16_gemms", jax.jit(dense), x, wg, wu, wd, y_check=True)
-    measure("ffn", "flax_nnx_linear", jax.jit(bench_ffn.flax_dense_mlp), x, wg, wu, wd)
+    measure("ffn", "flax_nnx_linear", jax.jit(ffn_cases.flax_dense_mlp), x, wg, wu, wd)
     for impl in ("xla", "pallas"):
         fn = jax.jit(lambda x, a, b, c, impl=impl: tj.gated_mlp(x, a, b, c, implementation=impl))
         measure("ffn", impl, fn, x, wg, wu, wd, y_check=True)

@@ -24,8 +24,8 @@ of the outputs (not folded for floats: no call is hoisted or dropped). Per call 
 that fails to compile or run is recorded with its error; the sweep goes on. Sweep configs past
 their M's share of ``--budget-s`` are recorded as skipped.
 
-    python experiments/probe_gemv.py           # H100, ~1-2 minutes
-    python experiments/probe_gemv.py --smoke   # CPU, interpret mode, tiny shapes
+    python tools/probe_gemv.py           # H100, ~1-2 minutes
+    python tools/probe_gemv.py --smoke   # CPU, interpret mode, tiny shapes
 
 Rows go to ``$OUT/gemv_probe_{D}x{F}.jsonl`` (the current directory when $OUT is unset); a
 table is printed last.
@@ -37,18 +37,16 @@ import time
 
 T_START = time.perf_counter()  # the budget counts the imports too
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import json
+import os
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels.gemv import GemvConfig, default_gemv_config, gemv  # noqa: E402
-from twell_jax.dense import gate_pre_activation  # noqa: E402
+from pallas_kernels.gemv import GemvConfig, default_gemv_config, gemv
+from twell_jax.dense import gate_pre_activation
 
 LAYERS = 4
 THRESHOLD = 2.576  # P(N(0, 1) > 2.576) = 0.5%

@@ -1,0 +1,39 @@
+"""Orbax checkpoints of a model and its optimizer: the newest two kept, written atomically, restored onto the arrays' current placement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+
+
+
+def checkpoint_manager(run_dir: Path) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        (run_dir / "ckpt").absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, model, optimizer) -> None:
+    manager.save(step, args=ocp.args.Composite(
+        model=ocp.args.StandardSave(nnx.state(model)),
+        optimizer=ocp.args.StandardSave(nnx.state(optimizer))))
+    manager.wait_until_finished()
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, model, optimizer=None) -> int:
+    """Loads the newest checkpoint into model and optimizer (only the model when optimizer is
+    None, as for sampling); returns its step (0 if none)."""
+    step = manager.latest_step()
+    if step is None:
+        return 0
+    targets = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    abstract = lambda obj: jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(obj))
+    restored = manager.restore(step, args=ocp.args.Composite(
+        **{name: ocp.args.StandardRestore(abstract(obj)) for name, obj in targets.items()}))
+    for name, obj in targets.items():
+        nnx.update(obj, restored[name])
+    return int(step)
