@@ -10,23 +10,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from twell_jax import nn, sharding
+from twell_jax import sharding
 from twell_jax.dense import mixed_precision_matmul
-from twell_jax.ffn import RESIDUALS_NAME
 from twell_jax.model.cache import KVCache
 from twell_jax.model.config import CONFIGS, ModelConfig
+from twell_jax.model.layer_scan import scan_blocks
 from twell_jax.model.layers import GEMV_FEW_ROWS, Block, RMSNorm, _dense, rope_tables
 
 _F32 = jnp.float32
-
-
-def _run_block(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    return block(x, cos, sin)
-
-
-_REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(nn.CHECKPOINT_NAME,
-                                                              RESIDUALS_NAME)
-_run_block_remat = nnx.remat(_run_block, policy=_REMAT_POLICY)
 
 
 class Transformer(nnx.Module):
@@ -64,9 +55,7 @@ class Transformer(nnx.Module):
         ``model.logits(model.features(tokens)[:, -1])`` avoids the [B, T, V] logits."""
         x = self._embed(tokens)
         cos, sin = self._rope()
-        run = _run_block_remat if self.cfg.remat else _run_block
-        for block in self.blocks:
-            x = run(block, x, cos, sin)
+        x, _ = scan_blocks(self, self.blocks, self.cfg, lambda b, h: (b(h, cos, sin), ()), x)
         return self.final_norm(x)
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
@@ -119,11 +108,14 @@ class Transformer(nnx.Module):
                              f"shape {tokens.shape}")
         x = self._embed(tokens)
         cos, sin = self._rope()
-        ks, vs = [], []
-        for block, ck, cv in zip(self.blocks, cache.k, cache.v):
-            x, k, v = block.prefill(x, cos, sin)
-            ks.append(jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, 0, 0, 0)))
-            vs.append(jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, 0, 0, 0)))
+
+        def step(block, h):
+            h, k, v = block.prefill(h, cos, sin)
+            return h, (k.astype(cache.k[0].dtype), v.astype(cache.v[0].dtype))
+
+        x, (k_all, v_all) = scan_blocks(self, self.blocks, self.cfg, step, x)
+        ks = [jax.lax.dynamic_update_slice(ck, k, (0, 0, 0, 0)) for ck, k in zip(cache.k, k_all)]
+        vs = [jax.lax.dynamic_update_slice(cv, v, (0, 0, 0, 0)) for cv, v in zip(cache.v, v_all)]
         lengths = jnp.asarray(lengths, jnp.int32)
         last = x[jnp.arange(b), lengths - 1]
         return self.logits(self.final_norm(last)), KVCache(tuple(ks), tuple(vs), lengths)

@@ -1,0 +1,133 @@
+"""The blocks under one scan (twell_jax/model/layer_scan.py) against the same blocks in a Python
+loop: equal losses, statistics, gradients and prefill caches, and each kernel traced once
+whatever the depth.
+
+In float32 the two are compared for equality up to float32 rounding of reassociated sums. In
+bf16 XLA may keep a fused chain of bf16 operations in float32 across a block boundary in the
+loop (its "excess precision"), which the scan's carry rounds; the subprocess test turns that off
+and asks for bitwise equality.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from twell_jax import model as model_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def loop_features(model: model_lib.Transformer, tokens: jax.Array) -> jax.Array:
+    """``Transformer.features`` as a Python loop over the blocks (the old form)."""
+    x = model._embed(tokens)
+    cos, sin = model._rope()
+    run = nnx.remat(lambda b, h: b(h, cos, sin), policy=model_lib.layer_scan.REMAT_POLICY) \
+        if model.cfg.remat else (lambda b, h: b(h, cos, sin))
+    for block in model.blocks:
+        x = run(block, x)
+    return model.final_norm(x)
+
+
+def loss_and_grads(model, tokens, loop: bool):
+    features = model_lib.Transformer.features
+    if loop:
+        model_lib.Transformer.features = loop_features
+    try:
+        fn = nnx.jit(nnx.value_and_grad(model_lib.loss_fn, has_aux=True))
+        (loss, metrics), grads = fn(model, tokens, 0.01)
+    finally:
+        model_lib.Transformer.features = features
+    return loss, metrics, grads
+
+
+@pytest.mark.parametrize("implementation,remat", [("pallas", True), ("reference", False),
+                                                  ("xla", True)])
+def test_scan_equals_the_loop_in_float32(implementation, remat):
+    model = model_lib.build("tiny", implementation=implementation, remat=remat, seed=3,
+                            dtype=jnp.float32, n_layers=3)
+    tokens = jax.random.randint(jax.random.key(1), (2, 25), 0, 256)
+    loss, metrics, grads = loss_and_grads(model, tokens, loop=False)
+    loss_ref, metrics_ref, grads_ref = loss_and_grads(model, tokens, loop=True)
+    assert np.isfinite(float(loss))
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
+    for name in ("nnz_mean", "nnz_max", "heavy_rows", "l1_layer"):
+        np.testing.assert_allclose(metrics[name], metrics_ref[name], rtol=1e-5)
+    assert np.asarray(metrics["nnz_mean"]).shape == (3,)
+    for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, g_ref, rtol=2e-5, atol=1e-6)
+
+
+def test_prefill_and_activity_equal_the_loop_in_float32():
+    model = model_lib.build("tiny", implementation="pallas", seed=4, dtype=jnp.float32)
+    tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
+    lengths = jnp.array([12, 7])
+    cache = model.init_cache(2, 16)
+    logits, filled = nnx.jit(lambda m, t, n, c: m.prefill(t, n, c))(model, tokens, lengths, cache)
+
+    # The loop: each block's prefill in turn, its k, v written into the cache.
+    x = model._embed(tokens)
+    cos, sin = model._rope()
+    for layer, block in enumerate(model.blocks):
+        x, k, v = block.prefill(x, cos, sin)
+        np.testing.assert_allclose(filled.k[layer][:, :12], k, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(filled.v[layer][:, :12], v, rtol=1e-5, atol=1e-6)
+        assert not np.any(filled.k[layer][:, 12:])
+    last = x[jnp.arange(2), lengths - 1]
+    np.testing.assert_allclose(logits, model.logits(model.final_norm(last)), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_array_equal(filled.lengths, lengths)
+
+    activity, nnz = model_lib.activity_and_token_nnz(model, tokens)
+    features = model_lib.Transformer.features
+    model_lib.Transformer.features = loop_features
+    try:
+        activity_ref, nnz_ref = model_lib.activity_and_token_nnz(model, tokens)
+    finally:
+        model_lib.Transformer.features = features
+    assert nnz.shape == (2, 24) and int(nnz.min()) > 0
+    np.testing.assert_array_equal(activity, activity_ref)
+    np.testing.assert_array_equal(nnz, nnz_ref)
+
+
+def test_each_kernel_is_traced_once_whatever_the_depth():
+    tokens = jnp.zeros((1, 16), jnp.int32)
+
+    def kernels(n_layers: int) -> int:
+        model = model_lib.build("tiny", implementation="pallas", n_layers=n_layers)
+        jaxpr = jax.make_jaxpr(lambda m, t: model_lib.loss_fn(m, t, 0.01)[0])(model, tokens)
+        return str(jaxpr).count("pallas_call")
+
+    one = kernels(1)
+    assert one > 0
+    assert kernels(4) == one
+
+
+def test_scan_equals_the_loop_bitwise_in_bf16_without_excess_precision():
+    script = textwrap.dedent("""
+        import jax, numpy as np
+        from tests.test_layer_scan import loss_and_grads
+        from twell_jax import model as model_lib
+        model = model_lib.build("tiny", implementation="pallas", seed=5, n_layers=3)
+        tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, 256)
+        a = loss_and_grads(model, tokens, loop=False)
+        b = loss_and_grads(model, tokens, loop=True)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        print("EQUAL", float(a[0]))
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_allow_excess_precision=false",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "EQUAL" in out.stdout
