@@ -1,10 +1,10 @@
-"""FFN forward benchmark: TwELL ("pallas") against dense XLA, in one process (DESIGN.md section 6).
+"""FFN forward benchmark: TwELL ("pallas") against dense XLA, in one process.
 
 On a laptop CPU (interpret mode, tiny shapes, about a minute):
 
     python experiments/bench_ffn.py --suite smoke
 
-On the H100 (the numbers in BENCHMARKS.md):
+On the H100 (the numbers in benchmarks/LOG.md):
 
     python experiments/bench_ffn.py --suite paper --out runs/bench_ffn.jsonl
     python experiments/bench_ffn.py --suite training --backward   # forward + backward
@@ -61,7 +61,7 @@ from twell_jax.format import heavy_rows, mask_lists  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class BenchArgs:
-    suite: str = flag("smoke", "smoke (CPU, tiny), paper (H100: every DESIGN.md case) or a "
+    suite: str = flag("smoke", "smoke (CPU, tiny), paper (H100: the paper-sized cases) or a "
                       "comma list of case names")
     runs: int = flag(50, "timed batches per measurement; the median is reported")
     min_batch_ms: float = flag(25.0, "each timed batch queues the call back to back until it "
@@ -89,7 +89,7 @@ class Case:
 
 
 # The per-token active-unit histograms of our trained 100m model (L1 3e-4, 2200 steps, held-out
-# tokens, every layer; RESULTS.md), F = 2560: the "trained" pattern's rows.
+# tokens, every layer; docs/performance.md), F = 2560: the "trained" pattern's rows.
 TRAINED_NNZ = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
                            "lm_100m_2200steps", "100m-xla-l1_3e-4", "nnz_distribution.json")
 
@@ -275,7 +275,7 @@ def time_ms(fn: Callable, *args, runs: int, min_batch_ms: float) -> dict:
     GPU's work on the one before, as a layer in a model overlaps the previous layer's. With
     one or two calls a batch (the default before 2026-11-25) the time also held the host's
     dispatch: ~0.7 ms for the sparse FFN at M = 16384, whose route switch XLA re-records in its
-    command buffer at every call (BENCHMARKS.md run 69). ``latency_ms``: the median time of
+    command buffer at every call (benchmarks/LOG.md run 69). ``latency_ms``: the median time of
     single synchronised calls, dispatch included (what a lone call makes the caller wait)."""
     jax.block_until_ready(fn(*args))  # compile
     jax.block_until_ready(fn(*args))  # warm up
@@ -407,7 +407,7 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     # Both FFN rows compute y alone, as a plain Flax MLP does: the ratio compares like with
     # like. The statistics are timed beside them, on both paths: they cost a pass over the
     # [M, F] activity on the dense path, and on the sparse one where it made no lists
-    # (0.12-0.19 ms at 2% uniform, BENCHMARKS.md runs 138-139). Until 2026-11-26 the sparse
+    # (0.12-0.19 ms at 2% uniform, benchmarks/LOG.md runs 138-139). Until 2026-11-26 the sparse
     # row returned them and the dense one did not.
     ffn = lambda implementation, stats: jax.jit(lambda *a: tj.gated_mlp(
         *a, implementation=implementation, config=config, return_stats=stats))

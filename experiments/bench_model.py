@@ -1,6 +1,6 @@
 """End-to-end benchmark: the sparse model ("pallas") against the same model dense ("xla").
 
-On the H100 (the numbers in BENCHMARKS.md; about 4 minutes for 0.5b, 9 for 1.5b):
+On the H100 (the numbers in benchmarks/LOG.md; about 4 minutes for 0.5b, 9 for 1.5b):
 
     python experiments/bench_model.py --presets 0.5b,1.5b --out runs/bench_model.jsonl
 
@@ -319,7 +319,7 @@ def timing_optimizer() -> optax.GradientTransformation:
     cannot fold the update away): every timed step computes the whole AdamW update, but the
     weights do not move. With a real rate the timed steps train the model, and that moves its
     sparsity away from the calibrated one while it is measured (H100, 1.5b: some deep
-    layers' FFN calls ended on the dense path, BENCHMARKS.md run 31)."""
+    layers' FFN calls ended on the dense path, benchmarks/LOG.md run 31)."""
     return optax.inject_hyperparams(optax.adamw)(learning_rate=0.0)
 
 

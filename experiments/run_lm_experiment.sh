@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-5 experiment on one GPU (what BENCHMARKS/RESULTS report): the 100m preset on the
+# The issue-5 experiment on one GPU (docs/performance.md reports it): the 100m preset on the
 # default stdlib corpus, dense baseline (L1 = 0) and two L1 coefficients, each for at most
 # ${SECONDS_PER_RUN:-160} s, then a short "pallas" run for its tokens/s. Metrics land in
 # ${OUT:-runs/lm_experiment}/<run>/ (metrics.jsonl, metrics.png); checkpoints stay in /tmp.
