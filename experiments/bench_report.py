@@ -1,4 +1,4 @@
-"""Renders ``bench_ffn.py`` JSON lines as Markdown tables (for BENCHMARKS.md).
+"""Renders ``bench_ffn.py`` JSON lines as Markdown tables (for benchmarks/LOG.md).
 
     python experiments/bench_report.py runs/bench_ffn.jsonl > runs/bench_ffn.md
 """

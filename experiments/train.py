@@ -23,7 +23,7 @@ as an N x M mesh (default: all on ``data``); the batch is split over both axes (
 is the global batch, a multiple of N * M) and the parameters with their AdamW moments over
 ``fsdp``. Checkpoints hold whole arrays: a run saved on one mesh resumes on another (any
 device count); on the same mesh ``--resume`` stays exact. ``--distributed`` first calls ``jax.distributed.initialize()`` for a
-multi-host run (one process per host, see README.md).
+multi-host run (one process per host, see docs/guide.md).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class TrainStep:
     """The training step as one ``jax.jit`` over the split (model, optimizer) state, which is
     donated and carried from step to step. ``nnx.jit`` would walk both objects' graphs in
     Python on every call: on the H100 the 0.5b step (8 x 2048 tokens) was 12.8 (dense) and
-    24.9 (sparse) ms slower through ``nnx.jit`` (BENCHMARKS.md, runs 12 and 20, the same
+    24.9 (sparse) ms slower through ``nnx.jit`` (benchmarks/LOG.md, runs 12 and 20, the same
     model code otherwise). The objects hold stale
     (donated) arrays between ``sync`` calls: call it before reading them (evaluation,
     checkpoints)."""
