@@ -26,6 +26,12 @@ from twell_jax import model as model_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def scan_every_call(monkeypatch):
+    """The tests' calls are small: scan them all (production scans from 4096 tokens)."""
+    monkeypatch.setattr(model_lib.layer_scan, "SCAN_MIN_TOKENS", 1)
+
+
 def loop_features(model: model_lib.Transformer, tokens: jax.Array) -> jax.Array:
     """``Transformer.features`` as a Python loop over the blocks (the old form)."""
     x = model._embed(tokens)
@@ -99,7 +105,7 @@ def test_prefill_and_activity_equal_the_loop_in_float32():
     np.testing.assert_array_equal(nnz, nnz_ref)
 
 
-def test_each_kernel_is_traced_once_whatever_the_depth():
+def test_each_kernel_is_traced_once_whatever_the_depth(monkeypatch):
     tokens = jnp.zeros((1, 16), jnp.int32)
 
     def kernels(n_layers: int) -> int:
@@ -110,6 +116,9 @@ def test_each_kernel_is_traced_once_whatever_the_depth():
     one = kernels(1)
     assert one > 0
     assert kernels(4) == one
+    # Below the threshold the blocks run in a loop: each is traced on its own.
+    monkeypatch.setattr(model_lib.layer_scan, "SCAN_MIN_TOKENS", 17)
+    assert kernels(4) == 4 * one
 
 
 def test_scan_equals_the_loop_bitwise_in_bf16_without_excess_precision():
@@ -117,6 +126,7 @@ def test_scan_equals_the_loop_bitwise_in_bf16_without_excess_precision():
         import jax, numpy as np
         from tests.test_layer_scan import loss_and_grads
         from twell_jax import model as model_lib
+        model_lib.layer_scan.SCAN_MIN_TOKENS = 1
         model = model_lib.build("tiny", implementation="pallas", seed=5, n_layers=3)
         tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, 256)
         a = loss_and_grads(model, tokens, loop=False)

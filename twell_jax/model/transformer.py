@@ -14,7 +14,7 @@ from twell_jax import sharding
 from twell_jax.dense import mixed_precision_matmul
 from twell_jax.model.cache import KVCache
 from twell_jax.model.config import CONFIGS, ModelConfig
-from twell_jax.model.layer_scan import scan_blocks
+from twell_jax.model.layer_scan import run_blocks
 from twell_jax.model.layers import GEMV_FEW_ROWS, Block, RMSNorm, _dense, rope_tables
 
 _F32 = jnp.float32
@@ -55,7 +55,7 @@ class Transformer(nnx.Module):
         ``model.logits(model.features(tokens)[:, -1])`` avoids the [B, T, V] logits."""
         x = self._embed(tokens)
         cos, sin = self._rope()
-        x, _ = scan_blocks(self, self.blocks, self.cfg, lambda b, h: (b(h, cos, sin), ()), x)
+        x, _ = run_blocks(self, self.blocks, self.cfg, lambda b, h: (b(h, cos, sin), ()), x)
         return self.final_norm(x)
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
@@ -113,9 +113,9 @@ class Transformer(nnx.Module):
             h, k, v = block.prefill(h, cos, sin)
             return h, (k.astype(cache.k[0].dtype), v.astype(cache.v[0].dtype))
 
-        x, (k_all, v_all) = scan_blocks(self, self.blocks, self.cfg, step, x)
-        ks = [jax.lax.dynamic_update_slice(ck, k, (0, 0, 0, 0)) for ck, k in zip(cache.k, k_all)]
-        vs = [jax.lax.dynamic_update_slice(cv, v, (0, 0, 0, 0)) for cv, v in zip(cache.v, v_all)]
+        x, kv = run_blocks(self, self.blocks, self.cfg, step, x)
+        ks = [jax.lax.dynamic_update_slice(ck, k, (0, 0, 0, 0)) for ck, (k, _) in zip(cache.k, kv)]
+        vs = [jax.lax.dynamic_update_slice(cv, v, (0, 0, 0, 0)) for cv, (_, v) in zip(cache.v, kv)]
         lengths = jnp.asarray(lengths, jnp.int32)
         last = x[jnp.arange(b), lengths - 1]
         return self.logits(self.final_norm(last)), KVCache(tuple(ks), tuple(vs), lengths)
