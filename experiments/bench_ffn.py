@@ -1,10 +1,10 @@
-"""FFN forward benchmark: TwELL ("pallas") against dense XLA, in one process (DESIGN.md section 6).
+"""FFN forward benchmark: TwELL ("pallas") against dense XLA, in one process.
 
 On a laptop CPU (interpret mode, tiny shapes, about a minute):
 
     python experiments/bench_ffn.py --suite smoke
 
-On the H100 (the numbers in BENCHMARKS.md):
+On the H100 (the numbers in docs/performance.md):
 
     python experiments/bench_ffn.py --suite paper --out runs/bench_ffn.jsonl
     python experiments/bench_ffn.py --suite training --backward   # forward + backward
@@ -58,7 +58,7 @@ from twell_jax.benchmarking.ffn_cases import (CASES, Case, SUITES, flax_dense_ml
 
 @dataclasses.dataclass(frozen=True)
 class BenchArgs:
-    suite: str = flag("smoke", "smoke (CPU, tiny), paper (H100: every DESIGN.md case) or a "
+    suite: str = flag("smoke", "smoke (CPU, tiny), paper (H100: the paper's shapes) or a "
                       "comma list of case names")
     runs: int = flag(50, "timed batches per measurement; the median is reported")
     min_batch_ms: float = flag(25.0, "each timed batch queues the call back to back until it "
@@ -187,7 +187,7 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     # Both FFN rows compute y alone, as a plain Flax MLP does: the ratio compares like with
     # like. The statistics are timed beside them, on both paths: they cost a pass over the
     # [M, F] activity on the dense path, and on the sparse one where it made no lists
-    # (0.12-0.19 ms at 2% uniform, BENCHMARKS.md runs 138-139). Until 2026-11-26 the sparse
+    # (0.12-0.19 ms at 2% uniform on the H100). Until 2026-11-26 the sparse
     # row returned them and the dense one did not.
     ffn = lambda implementation, stats: jax.jit(lambda *a: tj.gated_mlp(
         *a, implementation=implementation, config=config, return_stats=stats))

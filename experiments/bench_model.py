@@ -1,6 +1,6 @@
 """End-to-end benchmark: the sparse model ("pallas") against the same model dense ("xla").
 
-On the H100 (the numbers in BENCHMARKS.md; about 4 minutes for 0.5b, 9 for 1.5b):
+On the H100 (the numbers in docs/performance.md; about 4 minutes for 0.5b, 9 for 1.5b):
 
     python experiments/bench_model.py --presets 0.5b,1.5b --out runs/bench_model.jsonl
 

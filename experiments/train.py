@@ -183,10 +183,9 @@ class TrainStep:
     """The training step as one ``jax.jit`` over the split (model, optimizer) state, which is
     donated and carried from step to step. ``nnx.jit`` would walk both objects' graphs in
     Python on every call: on the H100 the 0.5b step (8 x 2048 tokens) was 12.8 (dense) and
-    24.9 (sparse) ms slower through ``nnx.jit`` (benchmarks/LOG.md, runs 12 and 20, the same
-    model code otherwise). The objects hold stale
-    (donated) arrays between ``sync`` calls: call it before reading them (evaluation,
-    checkpoints)."""
+    24.9 (sparse) ms slower through ``nnx.jit``, with the same model code otherwise. The
+    objects hold stale (donated) arrays between ``sync`` calls: call it before reading them
+    (evaluation, checkpoints)."""
 
     def __init__(self, model, optimizer):
         self.objects = (model, optimizer)

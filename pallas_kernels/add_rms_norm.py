@@ -4,7 +4,7 @@ In a decode step each norm of a pre-norm block follows a residual add: ``r = x +
 ``h = rmsnorm(r) * scale``. XLA compiles the pair on a few rows to three launches (the add,
 with the preceding product's partial sums; the sum of squares; the scaling), ~1.3 us each
 plus ~0.8 us of GPU idle between launches on the H100: two norms a layer, ~12 launches of a
-0.5b step's 160 (BENCHMARKS.md, run 119). Here one program per row does all of it, reading
+0.5b step's 160. Here one program per row does all of it, reading
 the row once:
 
 * ``delta`` is the sublayer's output [M, D], or the float32 partial sums [S, M, D] of a
@@ -15,7 +15,7 @@ the row once:
   ``twell_jax.model.RMSNorm`` computes it (only the order of the mean's sum differs).
 
 D is padded to a power of two inside the program (masked), so any D works. Measured (H100,
-0.5b, BENCHMARKS.md runs 124-126): 1.8-2.0 us a call with the sublayer output, 3.7 us with 8
+0.5b): 1.8-2.0 us a call with the sublayer output, 3.7 us with 8
 partial sums at 4 warps (one program reads their 64 KB; 2.65 us alone at 16 warps, now the
 default); decode at batch 1 +3% tokens/s in both models (at 4 warps).
 """
@@ -71,7 +71,7 @@ def _kernel(*refs, d: int, d_pad: int, parts: int | None, has_delta: bool, eps: 
 
 def default_num_warps(d_pad: int, parts: int | None) -> int:
     """Warps per program for a row of ``d_pad`` (power of two) columns. H100, D = 2048, one
-    row, the call alone in an on-device loop (BENCHMARKS.md, run 126): with 8 partial sums
+    row, the call alone in an on-device loop: with 8 partial sums
     4 / 8 / 16 warps take 3.88 / 3.18 / 2.65 us (more loads in flight), with the sublayer
     output 2.29-2.37 us from 4 warps up."""
     if parts is not None and parts > 1:

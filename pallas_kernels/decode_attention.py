@@ -17,7 +17,7 @@ program whose chunk starts after the position reads nothing (a ``cond`` in the k
 writes the neutral partial (m = -inf, l = 0, acc = 0). A second kernel (one program per
 sequence and kv head) combines the chunks' partials with the log-sum-exp rule in a fixed order
 (deterministic): one launch where XLA made three (``combine_partials`` is its jnp reference).
-H100, 0.5b decode (BENCHMARKS.md, run 129): +3.6% / +4.5% tokens/s at batch 1 (dense / sparse
+H100, 0.5b decode: +3.6% / +4.5% tokens/s at batch 1 (dense / sparse
 model), +1.3% / +2.4% at batch 8, against XLA's combine in the same process.
 
 Precision: the probabilities stay float32 in the weighted sum over V (V's values are converted
@@ -179,7 +179,7 @@ def default_decode_attention_config(b: int, s: int, n_kv: int, h: int) -> Decode
     """~512 programs (about 4 per SM of an H100) when (B, Nkv) pairs are fewer: S is split into
     power-of-two chunks of 64 to 1024 positions; tiles of ~4K values (64 rows at H = 64).
 
-    H100 (tools/probe_decode_attention.py, BENCHMARKS.md run 18; S = 2048, 32 heads of
+    H100 (tools/probe_decode_attention.py; S = 2048, 32 heads of
     64, per call with 1.7-2.3 us of loop): B = 1, full cache 13.8 us (the best config 12.9:
     256-position chunks, 8 warps), position 512 9.1 (best 8.3: 64-position chunks, 2 warps);
     B = 8 55.2 (best). Inside the 0.5b model's decode loop: 8.1 us per layer."""

@@ -3,7 +3,7 @@
 With M rows and a [D, F] weight matrix the product is a matrix-vector product in disguise:
 2 M D F flops against 2 D F bytes of bf16 weights, so at M <= 64 it is bound by reading the
 weights once (D = 2048, F = 5632: 23 MB, 6.9 us at an H100's 3.35 TB/s). XLA does poorly there
-(H100, batch 1, BENCHMARKS.md): the FFN gate's dot takes 12.5-22 us, and the attention
+(H100, batch 1): the FFN gate's dot takes 12.5-22 us, and the attention
 projections' [1, 2048] x [2048, 2048] dots become column-reduction fusions at 300-770 GB/s.
 The sparse FFN's decode path runs its gate product here, and the model's attention projections
 at decode. This kernel is built around the weight read:
@@ -25,7 +25,7 @@ at decode. This kernel is built around the weight read:
 * The x rows are loaded per step as one [M_pad, block_k] tile (tiny, stays in L1/L2), padded
   to at least 16 rows for a tensor-core dot: the padding's flops are free in a memory-bound
   kernel. (A broadcast multiply-and-sum on the CUDA cores was slower at every measured size,
-  up to 2.4x at M = 8: BENCHMARKS.md, run 18; deleted.)
+  up to 2.4x at M = 8 on the H100.)
 
 Ragged shapes are masked, not padded: padding w would copy it on every call. Blocks that
 divide D and F skip the masks (they are static).
@@ -159,8 +159,7 @@ class GemvConfig:
 
 
 def default_gemv_config(m: int, d: int, f: int) -> GemvConfig:
-    """The fastest configs of ``tools/probe_gemv.py`` on the H100 (BENCHMARKS.md, decode
-    kernels), D = 2048, bf16, per call:
+    """The fastest configs of ``tools/probe_gemv.py`` on the H100, D = 2048, bf16, per call:
 
     * M < 16: the dot on x padded to 16 rows, 128-column blocks, 64-row steps, D split 8 ways:
       M = 1, F = 5632: 8.1 us of kernel (XLA's dot 15.8); F = 2048: ~2 us (XLA ~11.7, a column

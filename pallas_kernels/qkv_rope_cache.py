@@ -6,7 +6,7 @@ the attention over the cache, a decode step finishes the three products, applies
 embedding to q and k at each sequence's position and writes k and v into the caches at that
 position. XLA compiles this to five launches a layer (the rotations of k and q, each with the
 partial sums' finish, v's finish, the two cache writes), ~1.2-1.6 us each plus ~0.8 us of GPU
-idle between launches on the H100 (BENCHMARKS.md, runs 119 and 124). Here one program per
+idle between launches on the H100. Here one program per
 (sequence, query head) does its head's share:
 
 * the head's columns of q (and, for the first Nkv heads, of k and v) are summed over the

@@ -15,7 +15,7 @@ Two kernels, one program per row each: the first computes the per-entry gradient
 row and the ``w_down`` rows, the second sums the ``w_up_t`` (and ``w_gate_t``) rows scaled by
 them into dx. One kernel doing both read from all three weight matrices at once: at D = 2048,
 F = 5632 that is 69 MB, more than the H100's 50 MB L2, against 23 and 46 MB for the two
-kernels apart: 1.20 ms against 0.33 + 0.52 ms at M = 16384 (BENCHMARKS.md run 77). The
+kernels apart: 1.20 ms against 0.33 + 0.52 ms at M = 16384. The
 entries' gradients travel between them as [M, K] float32 arrays, which the function returns
 anyway. The arithmetic and its order are the one kernel's: the results are the same bits.
 ``row_entry_grads`` and ``row_dx`` are the two kernels on their own (the FFN backward runs dx

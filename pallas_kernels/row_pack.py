@@ -17,8 +17,8 @@ one word per 32 columns (``word_bits``); popcounts give each word's first list s
 round of a short loop lists the lowest set bit of every word (its column, its value read back
 from ``pre``) until no word has bits left that fit the list. So a chunk stores one lane per
 word, not one per column: storing a lane per column (16 predicated stores a thread a chunk,
-with ~2.5 positive columns in 512) took half the kernel's time (0.186 ms against 0.089 ms,
-BENCHMARKS.md runs 71-72). A row at ~0.5% density takes one or two rounds a chunk; a dense one at
+with ~2.5 positive columns in 512) took half the kernel's time (0.186 ms against 0.089 ms on
+the H100). A row at ~0.5% density takes one or two rounds a chunk; a dense one at
 most ``word_bits`` a chunk, and only until its list is full. Disabled lanes are sent to index K
 (out of range) so they never alias a real write (interpret mode applies masked scatters to
 every lane).
@@ -127,7 +127,7 @@ class RowPackConfig:
 def default_row_pack_config(m: int, f: int, tile_width: int) -> RowPackConfig:
     """One warp, chunks of up to 512 columns (the most tiles, a power of two, dividing F / T).
 
-    H100, M = 16384, F = 5632 (184 MB of bf16 pre-activations, run 72): 4 tiles of 128, 1 warp
+    H100, M = 16384, F = 5632 (184 MB of bf16 pre-activations): 4 tiles of 128, 1 warp
     0.089 ms (2.1 TB/s; reading alone 0.065 ms); 3 stages 0.088; 2 tiles 0.103; 2 warps
     0.165; 4 warps 0.250."""
     del m

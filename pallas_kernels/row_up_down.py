@@ -15,7 +15,7 @@ Why one program per row (grid M): each program's work is proportional to its own
 block-level maximum, no masked lanes), the x row and the fp32 output row stay in registers for
 the whole loop, and the up dot is one reduction per entry instead of one per row block and D
 chunk. On the H100 this reads the gathered weight rows at ~6 TB/s (L2 hits), against ~4 TB/s for
-row-block kernels (BENCHMARKS.md).
+row-block kernels.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _row_up_down_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, up
         h = g_ref[row, k].astype(jnp.float32)
         # The w_down row is loaded before the up product's reduction (which synchronises the
         # warps), so its read overlaps the w_up row's: one memory latency per entry, not two
-        # (H100, M = 16384: 0.694 -> 0.651-0.663 ms; BENCHMARKS.md run 63).
+        # (H100, M = 16384: 0.694 -> 0.651-0.663 ms).
         w_down_row = [w_down_ref[j, ch] for ch in chunks]
         if gated:
             # Sum the chunks' products first: one cross-thread reduction per entry.
@@ -103,7 +103,7 @@ def default_row_up_down_config(d: int) -> RowUpDownConfig:
     """Knobs for rows of ``d`` features: the widest power-of-two chunk (<= 2048) dividing D,
     and one warp per 512 features (16 fp32 values of x and of the accumulator per thread).
 
-    H100, M = 16384, 28 entries per row (BENCHMARKS.md, stage table): D = 2048: 4 warps 0.73
+    H100, M = 16384, 28 entries per row: D = 2048: 4 warps 0.73
     ms, 8 warps 0.83, 2 warps 1.03, 1 warp 0.83; 1024-wide chunks 0.76. D = 4096: 8 warps
     6.49 ms, 4 warps 6.67 (71 entries per row). Prefetching the next entry's rows into
     registers (software pipelining by hand) was slower: 0.72 ms at D = 2048."""

@@ -105,7 +105,7 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         x_chunks = [x_ref[row, ch].astype(jnp.float32) for ch in d_chunks]
     # Groups of up to EARLY_DOWN_MAX_GROUP gather their w_down rows before the up product's
     # reduction, so those reads overlap the w_up rows' (as in row_up_down); larger groups
-    # would hold too many rows in registers through it (slower: BENCHMARKS.md, run 65).
+    # would hold too many rows in registers through it (slower on the H100).
     early_down = group <= EARLY_DOWN_MAX_GROUP
 
     def unit_group(r, carry):
@@ -250,16 +250,16 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     (one row, or 512-column slices) or 8; 8 warps at D >= 2048 (4 for one row or 512-column
     slices). D chunks as in ``row_up_down``: the widest power of two <= 2048.
 
-    Warps for one row (the 0.5b model's decode at batch 1, run 133: tokens/s of the whole
+    Warps for one row (H100, the 0.5b model's decode at batch 1: tokens/s of the whole
     step, two alternating passes each): 4 warps 1,949.7 / 1,939.4 against 1,914.5 / 1,838.2
     with 8 (the dense model, unchanged between them, moved by +-1.5%); 512-column slices
     (groups of 8 at 4 warps, groups of 4 at 8 warps) 1,917.3 / 1,839.2 and 1,908.8 / 1,865.7.
 
-    Warps for 512-column slices (M = 64, runs 85-86, the early loads in): 4 warps 29.3-29.4
+    Warps for 512-column slices (M = 64, with the early loads): 4 warps 29.3-29.4
     us against 31.2-31.4 with 8 (2 warps 30.2); heavy-tailed rows 46.5 against 50.6-50.7
     (256-column slices would take them to 40.7, but uniform rows to 34.5).
 
-    H100, D = 2048, F = 5632, bf16, whole decode FFN per call (BENCHMARKS.md, run 52): M = 1
+    H100, D = 2048, F = 5632, bf16, whole decode FFN per call: M = 1
     256-column slices, groups of 4: 16.6 us (groups of 8: 17.6; 128 columns, groups of 1, 2,
     4, 8: 19.1, 18.4, 17.6, 18.5); M = 8 256 columns, groups of 8: 20.0 us (groups of 4 20.5;
     128 columns 21.2), heavy-tailed rows 27.5 (4: 30.9); M = 64 512 columns, groups of 4:

@@ -11,7 +11,7 @@ counts (a binary search on the sorted keys). Each unit's column is then cut into
 most ``max(min_piece, 2 E / F)`` entries (``column_pieces``; E the valid entries), so a unit
 active on half the tokens, as the busiest units of trained models are, is shared by many
 programs instead of serialising one: with one program per unit it took 6-8 ms on the H100
-where the whole dense FFN forward + backward takes 4.4 (BENCHMARKS.md, run 35). The kernel
+where the whole dense FFN forward + backward takes 4.4. The kernel
 gathers rows with the roles of rows and units swapped: grid (pieces / block_f, D / block_d);
 each program owns block_f pieces x block_d features, loops over its longest piece, and at
 each step gathers, for each piece, the rows of b named by its next ``unroll`` entries
@@ -20,7 +20,7 @@ first F pieces are the units' first pieces, stored as their output rows; the lat
 busy units store partial sums, which a second small kernel adds to their units' rows in
 piece order. Deterministic (no atomics). (An fp32-atomic variant without the sort took
 14.9 ms against 4.4 ms for the whole FFN forward + backward on the H100, and a dense GEMM on
-the scattered values 4.8 ms: BENCHMARKS.md.)
+the scattered values 4.8 ms.)
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
     (entry rows sorted by unit); n_values sorted values [E]; b [M, D]; then n_values outputs
     [F, D] float32 ([D, F] when ``transposed``) and n_values partial sums [P - F, D] float32.
     Each loop step takes ``unroll`` entries of every piece, their loads issued together: more
-    gathers in flight per program (BENCHMARKS.md, runs 101-102).
+    gathers in flight per program (faster on the H100).
     """
     values_refs = refs[:n_values]
     b_ref = refs[n_values]
@@ -179,7 +179,7 @@ class SparseOuterConfig:
 def default_sparse_outer_config(f: int, d: int, n_values: int = 1) -> SparseOuterConfig:
     """8 units x 512 features, 8 warps, 2 entries of each unit a step, for one values array;
     256 features for two or more (one float32 accumulator tile per array). Measured on the
-    H100 (BENCHMARKS.md, runs 101-102; M = 16384, D = 2048, F = 5632, 28 entries per row,
+    H100 (M = 16384, D = 2048, F = 5632, 28 entries per row,
     each call with its column sort): two arrays transposed 0.53 ms against 0.72 for the
     16 x 256, 4-warp, one-entry blocks before (0.57-0.60 with 8 units or 8 warps or two
     entries alone), one array 0.45 against 0.51; smaller gains on the trained model's counts.
@@ -328,8 +328,8 @@ def sparse_outer(
     rows = order // k
     sorted_values = [v.reshape(-1)[order] for v in values]
     shape = (d, d_ff) if transposed else (d_ff, d)
-    # One stage: Triton's pipelining of the k loop gained nothing (2 stages: same times, run
-    # 101); the loop's loads are data-dependent gathers.
+    # One stage: Triton's pipelining of the k loop gained nothing (2 stages: the same times
+    # on the H100); the loop's loads are data-dependent gathers.
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
     interpret = resolve_interpret(interpret)
     out = pl.pallas_call(

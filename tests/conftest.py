@@ -1,4 +1,4 @@
-"""Test-session settings."""
+"""Settings for every test."""
 
 import os
 

@@ -3,9 +3,9 @@ repository or at numbered experiment runs.
 
 (a) Every code block whose info string is ``python runnable`` in README.md and docs/*.md is
     executed on the CPU in a fresh namespace (each block is self-contained).
-(b) No comment or docstring in the library code cites an experiment run by number ("run 51",
-    "runs 101-105"): the dated log under benchmarks/ holds that history, and code states the
-    reason itself.
+(b) No comment or docstring in the library code cites an experiment run by number (the word
+    "run" or "runs", then a number): the dated log under benchmarks/ holds that history, and
+    code states the reason itself.
 (c) README.md and docs/ do not mention files outside the repository.
 """
 

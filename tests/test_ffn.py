@@ -544,9 +544,8 @@ def test_bad_inputs_raise_with_names_and_values():
 def test_backward_switch_does_not_copy_dx():
     """dx is made in each branch of the backward's route switch (the backup branches write
     their rows into it in place): no branch copies it. Passed through the switch, dx was
-    copied in every branch with the dense branch first (BENCHMARKS.md run 59), and on the GPU
-    in models of identical layers whatever the order (runs 91, 95; the CPU compiler does not
-    reproduce that one)."""
+    copied in every branch with the dense branch first, and on the GPU in models of identical
+    layers whatever the order (the CPU compiler does not reproduce that one)."""
     x, *weights = make_ffn_inputs(9, M, D, F, "heavy_tailed", jnp.bfloat16)
     grad = jax.jit(jax.grad(lambda x, w: jnp.sum(tj.gated_mlp(
         x, *w, implementation="reference", config=CONFIG).astype(jnp.float32)),

@@ -18,7 +18,7 @@ _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # what is compared and the compute dtype.
 TOLERANCES = {
     # An op against a float64 reference computed from the same rounded inputs. bf16: the dense
-    # bf16 path's own error is ~3e-3 (DESIGN.md section 5); the sparse paths accumulate in fp32
+    # bf16 path's own error is ~3e-3; the sparse paths accumulate in fp32
     # and land at or below it.
     "ffn": {_F32: 2e-5, _BF16: 1e-2},
     # Gradients pass through more roundings (bf16 h, dh, cotangent products).

@@ -32,8 +32,8 @@ from pallas_kernels.sparse_outer import SparseOuterConfig, sparse_outer
 PACK_VARIANTS = [(4, 1, 2), (4, 1, 1), (4, 1, 3), (2, 1, 2), (4, 2, 2), (8, 1, 2)]
 UP_DOWN_VARIANTS = [(2048, 4, 1), (2048, 4, 2), (2048, 8, 1), (1024, 4, 1)]
 # sparse_outer (block_f, block_d, num_warps, unroll); the default: the first for one values
-# array, the second for two (8 units, 8 warps, 2 entries a step); then neighbours of runs
-# 101-102.
+# array, the second for two (8 units, 8 warps, 2 entries a step); then their
+# neighbours.
 OUTER_VARIANTS = [(8, 512, 8, 2), (8, 256, 8, 2), (16, 512, 4, 1), (16, 256, 4, 1),
                   (8, 256, 4, 1), (16, 256, 8, 2), (8, 256, 4, 2)]
 

@@ -36,8 +36,8 @@ def use_compile_cache(path: str) -> None:
     """Keeps the programs XLA compiles from now on in the folder ``path`` ('' to not), so a
     rerun, or a run resumed after an interruption, loads them instead of compiling again (JAX's
     persistent compilation cache; programs that compile in under a second are not kept). The
-    sparse models compile slowly: the 2b training step took 211-269 s on the H100
-    (benchmarks/LOG.md, runs 46-61). Call it before the first computation: JAX decides at its
+    sparse models compile slowly: the 2b training step took 211-269 s to compile on the H100.
+    Call it before the first computation: JAX decides at its
     first compilation whether a process uses the cache."""
     if path:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))

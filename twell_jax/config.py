@@ -13,7 +13,7 @@ from pallas_kernels.common import is_power_of_two
 class CostModel:
     """Device rates for choosing between sparse and dense up/down projections.
 
-    Defaults measured on the H100 (BENCHMARKS.md, bf16, M = 16384): XLA's dense GEMM at ~650
+    Defaults measured on the H100 (bf16, M = 16384): XLA's dense GEMM at ~650
     TFLOP/s; ``row_up_down`` reads gathered weight rows at ~5.4 TB/s while the two weight
     matrices fit in L2 (D = 2048, F = 5632: 46 MB) and ~2.6 TB/s from HBM (D = 4096, F =
     14336); device memory copies at ~3.0 TB/s; and the sparse path costs ~0.3 ms per call
@@ -74,7 +74,7 @@ class TwELLConfig:
         so the break-even is near 60 of 5632 units; the default 1/96 (58 of 5632) keeps every
         uniform ~28-unit token sparse and sends the heavy tail to the backup. (H100, M =
         16384, against 1/64: our trained model's counts -4% forward, -3% forward + backward;
-        the heavy-tailed case +9% / +1.3%; uniform rows unchanged: BENCHMARKS.md, run 115.)
+        the heavy-tailed case +9% / +1.3%; uniform rows unchanged.)
         ``1.0`` disables.
       dense_fallback_density: only for ``implementation="pallas"``: when the whole batch is
         cheaper dense, the up/down projections run as dense GEMMs (decided on the device from

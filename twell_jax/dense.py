@@ -29,7 +29,7 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
     every call, more than a float32 output [M, F] costs: there the GEMM emits float32 and the
     bias is added before the one rounding. XLA compiles that float32-output product to a slow
     GEMM (H100, D = 2048, F = 5632, one row: 19.9 us, where cuBLAS's bf16 product takes 12.9;
-    the 0.5b dense model decoded 12% faster with a plain Flax gate: BENCHMARKS.md, run 121),
+    the 0.5b dense model decoded 12% faster with a plain Flax gate),
     so below ``FEW_ROWS`` (8) rows it runs on the ``gemv`` kernel (the same sums, 12.2 us) on
     a GPU outside a multi-device mesh; ``kernel`` forces the choice (tests)."""
     if bias is None:
@@ -84,7 +84,7 @@ def mixed_precision_matmul(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     under data parallelism the weight gradient's sum over devices is taken in float32. Plain
     autodiff of a float32-output product would feed the float32 cotangent to float32 (TF32)
     GEMMs: on the H100 the 0.5b model's attention projections and output layer spent ~50 ms
-    of a 164 ms training step that way (BENCHMARKS.md, run 20). With float32 operands nothing
+    of a 164 ms training step that way. With float32 operands nothing
     is rounded."""
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 

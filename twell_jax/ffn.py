@@ -92,7 +92,7 @@ def _p99(row_nnz: jax.Array, d_ff: int) -> jax.Array:
     """Nearest-rank 99th percentile of the per-token counts [M] (int32, in [0, d_ff]).
 
     From a histogram of the counts and its running sum, not a sort: exact, and no sort
-    launch (its effect on a call's time was not seen on the H100: BENCHMARKS.md, run 67)."""
+    launch (on the H100 the change did not show in a call's time)."""
     m = row_nnz.shape[0]
     histogram = jnp.zeros((d_ff + 1,), jnp.int32).at[jnp.clip(row_nnz, 0, d_ff)].add(1)
     rank = max(1, -(-99 * m // 100))
@@ -121,8 +121,7 @@ def _active_counts(active: jax.Array, config: TwELLConfig) -> tuple[jax.Array, j
 
     The per-tile counts are the mask's one reduction and the row totals are summed from
     them; a last tile cut short is summed on its own rather than padded to a copy. (It timed
-    as the two-reduction version it replaced on the 2% uniform forward: BENCHMARKS.md, run
-    113.)"""
+    as the two-reduction version it replaced on the 2% uniform forward on the H100.)"""
     m, f = active.shape
     width = config.tile_width
     full = f // width
@@ -168,7 +167,7 @@ def _backup_sizes(m: int, config: TwELLConfig) -> tuple[int, ...]:
     # the heavy rows, and at most 4/3 and 5/4 of them around a sixth and a quarter of the
     # batch heavy, where trained models' tails put it (M = 16384, the row cap at 58 units:
     # 3,959 heavy rows on bench_ffn's trained case, 4,101 on the heavy-tailed one, which
-    # without 5M/16 spilled into the M/2 backup: +13% forward, BENCHMARKS.md run 109); its
+    # without 5M/16 spilled into the M/2 backup: +13% forward on the H100); its
     # spare rows take the densest light rows (``_backup_rows``). Past M/2 the whole batch
     # goes dense, which reuses the gate GEMM and costs no more than a backup of M rows would.
     return tuple(sorted({max(1, -(-m * n // 64)) for n in (1, 2, 4, 8, 12, 16, 20, 32)}))
@@ -183,14 +182,14 @@ def _route(dense: jax.Array, num_heavy: jax.Array, sizes: tuple[int, ...]) -> ja
     branch's result. With the lists-only branch first, the arrays that branch passes through
     (the backward's float32 dW, computed before the switch) need no copy in one FFN; with the
     dense branch first every other branch copied the backward's dx, then passed through too
-    (a 67 MB copy per call at M = 16384, D = 2048: ~46 us on the H100, BENCHMARKS.md run 59).
-    In a model of identical layers XLA copied the passed-through dx anyway (runs 91, 95), so
+    (a 67 MB copy per call at M = 16384, D = 2048: ~46 us on the H100).
+    In a model of identical layers XLA copied the passed-through dx anyway, so
     dx is now made in each branch (``_twell_backward``).
 
     Why one switch: on a GPU each data-dependent branch copies its index to the host and
     waits for it, so the device idles while the host launches the branch; one switch per
     direction instead of a dense/sparse ``cond`` around a backup ``switch`` halves those waits.
-    Each wait still costs ~110 us of GPU idle on the H100 (BENCHMARKS.md, run 50), unless XLA
+    Each wait still costs ~110 us of GPU idle on the H100, unless XLA
     runs the switch on the device (``twell_jax.xla_flags``: the experiment scripts do)."""
     bigger = sum((num_heavy > s).astype(jnp.int32) for s in sizes[:-1]) if sizes else 0
     sparse = jnp.where(num_heavy > 0, 1 + bigger, 0)
@@ -306,11 +305,10 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: Row
     ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values
     [M, K] f32 or [M, 0], ``counted`` as given: the statistics' row totals and heavy rows).
     ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route switch (the backward
-    makes its own: two transposes in a forward + backward, BENCHMARKS.md run 114). ``pre``
+    makes its own: two transposes in a forward + backward). ``pre``
     [M, F]: the backend's gate pre-activation, or None. The backup takes its rows of ``pre``
     rather than redo their gate GEMM, as the all-dense branch does (with the sizes of
-    ``_backup_sizes``: heavy-tailed forward 1.60 -> 1.43 ms on the H100, BENCHMARKS.md run
-    80)."""
+    ``_backup_sizes``: heavy-tailed forward 1.60 -> 1.43 ms on the H100)."""
     m = x.shape[0]
     if gated:
         y, up_values, l1_rows = backend.up_down(x, w_up_t, weights[-1], gate)
@@ -487,17 +485,17 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     sizes = _backup_sizes(r.x.shape[0], config)
     # The lists' products run once, before the switch, not in each of its sparse branches:
     # XLA compiles every Triton call on its own, so each branch's copy of the kernels cost
-    # compile time (BENCHMARKS.md, run 45). When the batch went dense the lists are empty
+    # compile time. When the batch went dense the lists are empty
     # (``_twell_forward``) and these cost a few launches. Every branch ends in the cast of the
     # float32 dW to the output dtypes.
     lists = _list_grads(backend, gated, r, dy, l1_ct)
     # dx's kernel runs in each sparse branch instead, as the forward's up/down does: passed
     # into the switch and through it, dx was copied at the end of every branch in the models
     # (7 of the 0.5b model's 8 layers, whose switches called clones of one set of branches;
-    # 67 MB, ~69 us a layer at M = 16384 on the H100; BENCHMARKS.md, runs 91, 95-97). The
+    # 67 MB, ~69 us a layer at M = 16384 on the H100). The
     # transposed weights are made outside, where the forward's ``w_up_t`` is (made inside,
-    # they cost the FFN ~0.1 ms, run 96). The kernel rounds dx to x.dtype itself: a float32
-    # dx would be written, then read by a cast (~70 us per 0.5b layer, run 49).
+    # they cost the FFN ~0.1 ms on the H100). The kernel rounds dx to x.dtype itself: a float32
+    # dx would be written, then read by a cast (~70 us per 0.5b layer on the H100).
     w_up_t = r.weights[-2].T  # (w_gate, w_up, w_down) or (w_up, w_down)
     w_gate_t = r.weights[0].T if gated else None
 
@@ -517,8 +515,8 @@ def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_su
     """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup.
     ``partial_sums``: y may come back as the backend's float32 partial sums [S, M, D]."""
     weights = _compute_weights(x, params)
-    # One transpose per call; loop-invariant in a decode loop (the H100 run suggests XLA hoists
-    # it there, the CPU pipeline does not: BENCHMARKS.md, run 15).
+    # One transpose per call; loop-invariant in a decode loop (timings on the H100 suggest XLA
+    # hoists it there; the CPU pipeline does not).
     w_up_t = weights[1].T if gated else None
     y, l1_rows, active = backend.decode(x, weights[0], bias, w_up_t, weights[-1],
                                         partial_sums=partial_sums)

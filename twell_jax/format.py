@@ -104,7 +104,7 @@ def _as_words(a: jax.Array) -> jax.Array:
     """[M, D] of a 1- or 2-byte dtype -> the same bytes as [M, W] uint32 (W = D * itemsize /
     4) where a row's bytes split into 32-bit words, else ``a`` itself. XLA's GPU gather moves
     one element per thread: on 16-bit rows the backup's gathers ran at 0.4-1.1 TB/s on the
-    H100 (BENCHMARKS.md, run 91)."""
+    H100."""
     m, d = a.shape
     itemsize = jnp.dtype(a.dtype).itemsize
     if itemsize >= 4 or (d * itemsize) % 4:  # already words, or rows that do not split

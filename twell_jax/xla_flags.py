@@ -3,9 +3,9 @@
 Each sparse FFN call routes its batch with one ``lax.switch`` per direction (dense, the lists
 alone, the lists plus the dense backup: ``twell_jax.ffn``). By default XLA's GPU runtime copies
 a switch's index to the host and waits for it, so the GPU drains its queue at every switch
-(~110 us on the H100, BENCHMARKS.md run 50). With ``--xla_gpu_enable_command_buffer=
+(~110 us on the H100). With ``--xla_gpu_enable_command_buffer=
 +CONDITIONAL`` XLA runs them as CUDA-graph conditional nodes on the device instead: the 0.5b
-training step 95.1 -> 93.9 ms, prefill 27.1 -> 26.6 ms (run 51). The dense model has no switch.
+training step 95.1 -> 93.9 ms, prefill 27.1 -> 26.6 ms on the H100. The dense model has no switch.
 
 XLA reads ``XLA_FLAGS`` once, when JAX starts its backends (at the first computation, not at
 ``import jax``), so the flag must be in the environment before then:

@@ -114,7 +114,7 @@ def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False):
     # The gate on the GEMV kernel, whose partial sums scan_up_down adds itself: no launch and
     # no [M, F] write in between. Below 8 rows XLA's dot is ~2x slower than the weight read;
     # at 8 and 64 rows the whole decode FFN is 0.7 and 1.5 us faster this way than with XLA's
-    # dot (H100, BENCHMARKS.md run 58).
+    # dot (H100).
     if x.shape[0] <= GEMV_MAX_ROWS:
         gate = GatePartials(gemv_partial_sums(x, w_in), bias, x.dtype)
         pre = gate.pre()  # only for the statistics: dead code unless they are used
@@ -125,7 +125,7 @@ def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False):
     y_parts, l1 = scan_up_down_partial_sums(gate, x_pad, w_up_t, w_down_pad)
     y_parts = y_parts[..., :w_down.shape[1]]
     # Unfinished for a consumer that adds the slices itself (the model's add_rms_norm: one
-    # launch less a decode step, BENCHMARKS.md runs 130-131).
+    # launch less a decode step).
     y = y_parts if partial_sums else finish_partial_sums(y_parts, None, x.dtype)
     return y, l1, jnp.logical_not(pre <= 0)  # active: > 0 or NaN
 

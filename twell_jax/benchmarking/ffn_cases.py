@@ -36,7 +36,7 @@ class Case:
 
 
 # The per-token active-unit histograms of our trained 100m model (L1 3e-4, 2200 steps, held-out
-# tokens, every layer; RESULTS.md), F = 2560: the "trained" pattern's rows.
+# tokens, every layer; docs/performance.md), F = 2560: the "trained" pattern's rows.
 TRAINED_NNZ = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "results", "lm_100m_2200steps", "100m-xla-l1_3e-4",
     "nnz_distribution.json")
@@ -217,7 +217,7 @@ def time_ms(fn: Callable, *args, runs: int, min_batch_ms: float) -> dict:
     GPU's work on the one before, as a layer in a model overlaps the previous layer's. With
     one or two calls a batch (the default before 2026-11-25) the time also held the host's
     dispatch: ~0.7 ms for the sparse FFN at M = 16384, whose route switch XLA re-records in its
-    command buffer at every call (BENCHMARKS.md run 69). ``latency_ms``: the median time of
+    command buffer at every call. ``latency_ms``: the median time of
     single synchronised calls, dispatch included (what a lone call makes the caller wait)."""
     jax.block_until_ready(fn(*args))  # compile
     jax.block_until_ready(fn(*args))  # warm up

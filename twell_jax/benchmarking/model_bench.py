@@ -120,7 +120,7 @@ def timing_optimizer() -> optax.GradientTransformation:
     cannot fold the update away): every timed step computes the whole AdamW update, but the
     weights do not move. With a real rate the timed steps train the model, and that moves its
     sparsity away from the calibrated one while it is measured (H100, 1.5b: some deep
-    layers' FFN calls ended on the dense path, BENCHMARKS.md run 31)."""
+    layers' FFN calls ended on the dense path)."""
     return optax.inject_hyperparams(optax.adamw)(learning_rate=0.0)
 
 
@@ -185,7 +185,7 @@ def compiled_bytes(compiled) -> int | None:
     (a lowered one, ``jax.jit``'s or ``nnx.jit``'s, is compiled first), less the outputs that
     reuse a donated argument's buffer (counted once: a training step donates its whole state;
     counting it twice called the 1.5b dense step without remat 77.2 GB, while it peaked at
-    58.8 GB on the H100, run 30)."""
+    58.8 GB on the H100)."""
     try:
         if hasattr(compiled, "compile"):  # not compiled yet (nnx.jit's is no jax.stages.Lowered)
             compiled = compiled.compile()

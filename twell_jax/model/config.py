@@ -136,7 +136,7 @@ class ModelConfig:
 
 
 def _paper(n_layers: int) -> ModelConfig:
-    # The paper's models (DESIGN.md section 6): D 2048, F 5632, 32 heads of 64, vocab 49152.
+    # The paper's models: D 2048, F 5632, 32 heads of 64, vocab 49152.
     return ModelConfig(vocab_size=49152, d_model=2048, d_ff=5632, n_layers=n_layers, n_heads=32,
                        max_seq_len=2048)
 

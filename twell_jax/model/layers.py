@@ -142,8 +142,7 @@ class Attention(nnx.Module):
 
         On the GEMV kernel (decode) the three products share one launch that reads each
         weight where it lies (``few_row_matmuls``); one call over concatenated weights was
-        slower: the concatenation was not hoisted out of the decode loop (BENCHMARKS.md,
-        run 23)."""
+        slower on the H100: XLA did not hoist the concatenation out of the decode loop."""
         b, t, _ = x.shape
         heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
         weights = tuple(w[...].astype(self.dtype) for w in (self.w_q, self.w_k, self.w_v))
@@ -185,7 +184,7 @@ class Attention(nnx.Module):
         ``_output_for_add`` gives it."""
         if self._gemv(x) and supports_head_dim(self.head_dim):
             # The GEMV's partial sums, finished, rotated and written into the caches in one
-            # launch (XLA made five of it: BENCHMARKS.md, run 127).
+            # launch (XLA makes five launches of it).
             weights = tuple(w[...].astype(self.dtype) for w in (self.w_q, self.w_k, self.w_v))
             parts = gemv_many_partial_sums(x.reshape(x.shape[0], -1).astype(self.dtype),
                                            weights)

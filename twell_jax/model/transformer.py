@@ -150,8 +150,7 @@ class Transformer(nnx.Module):
         (``Block.decode_fused``): under ``decode_kernels`` on one device (the attention's
         ``_kernels``), below ``GEMV_FEW_ROWS`` (8) sequences, where the output projection's
         partial sums go straight into the kernel. H100, 0.5b: batch 1 +3% tokens/s in both
-        models; batch 8 (the projection finished by XLA) -0.5%, so not used there
-        (BENCHMARKS.md, run 125)."""
+        models; batch 8 (the projection finished by XLA) -0.5%, so not used there."""
         return bool(self.blocks) and self.blocks[0].attn._kernels() and (
             batch < GEMV_FEW_ROWS)
 
