@@ -42,6 +42,8 @@ class BenchConfig:
     remat: str = flag("on,off", "training remat settings to time (ModelConfig.remat), comma "
                       "list of on/off; the table compares each model's fastest that fits")
     l1_coeff: float = flag(1e-4, "L1 coefficient in the training loss")
+    scan_layers: bool = flag(True, "run the blocks of large calls under one scan "
+                             "(ModelConfig.scan_layers); --no-scan-layers: a Python loop")
     seed: int = flag(0, "seed of the weights and the token batches")
     time_budget: float = flag(0.0, "seconds; later presets are skipped and reported (0: none)")
     out: str = flag("runs/bench_model.jsonl", "JSON-lines file the measurements are appended to")
@@ -198,7 +200,8 @@ def compiled_bytes(compiled) -> int | None:
 
 def build_model(preset: str, implementation: str, cfg: BenchConfig):
     """The preset with gate biases, remat off (training sets it per measurement)."""
-    return model_lib.build(preset, implementation=implementation, gate_bias=True, seed=cfg.seed)
+    return model_lib.build(preset, implementation=implementation, gate_bias=True, seed=cfg.seed,
+                           scan_layers=cfg.scan_layers)
 
 
 def token_batch(mcfg, cfg: BenchConfig, b: int, t: int) -> jax.Array:

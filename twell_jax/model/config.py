@@ -31,6 +31,11 @@ class ModelConfig:
       dtype: compute dtype of activations and matmuls.
       param_dtype: storage dtype of the parameters.
       remat: recompute each block in the backward pass, keeping only the FFN outputs.
+      scan_layers: calls of at least ``layer_scan.SCAN_MIN_TOKENS`` tokens (training, long
+        prefills) run the blocks under one ``lax.scan``, so each kernel compiles once whatever
+        the depth (H100, 1.5b sparse training step: 17 s against the loop's ~100 s and more).
+        The scan copies each layer's weights out of the stacked parameters, which costs a few
+        percent of a step (1.5b training ~3%); False runs the blocks in a Python loop.
       gate_bias: each FFN has a learnable per-unit gate bias ``b_gate`` [F] (zeros at init);
         benchmarks set it to calibrate the sparsity of an untrained model.
       n_kv_heads: key / value heads (grouped-query attention: each serves n_heads / n_kv_heads
@@ -67,6 +72,7 @@ class ModelConfig:
     dtype: Any = jnp.bfloat16
     param_dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = True
     gate_bias: bool = False
     n_kv_heads: int | None = None
     embed_scale: bool = True
@@ -97,7 +103,7 @@ class ModelConfig:
                 ok = False
             if not ok:
                 raise ValueError(f"{name} must be a floating-point dtype, got {dtype!r}")
-        for name in ("remat", "gate_bias", "embed_scale", "tie_embeddings"):
+        for name in ("remat", "scan_layers", "gate_bias", "embed_scale", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.decode_kernels is not None and not isinstance(self.decode_kernels, bool):

@@ -6,10 +6,10 @@ so the compile time grows with the depth (the 1.5b sparse training step compiled
 the dense model's 16 s). Under one scan each kernel is compiled once whatever the depth.
 
 The parameters stay stored per block (``Transformer.blocks``, as checkpoints and Hugging Face
-folders hold them); each call stacks them along a new leading layer axis. The attention's
-matrices are stacked already cast to the compute dtype: the blocks cast each one on use anyway,
-so the stack replaces those casts instead of adding a pass. Everything else keeps its storage
-dtype, so the blocks compute exactly what the loop computes.
+folders hold them); each call stacks them along a new leading layer axis. Matrices are stacked
+already cast to the compute dtype where the blocks cast them on use anyway (the attention's, and
+the dense FFN's), so the stack replaces those casts instead of adding a pass; everything else
+keeps its storage dtype, so the blocks compute exactly what the loop computes.
 
 Statistics: when the model runs under ``nnx.capture``, each block runs under its own capture of
 the same variable types inside the scan; the captured values come out stacked and are sown
@@ -41,15 +41,15 @@ def _block_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
     return nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))[0]
 
 
-def _stack_params(blocks: Sequence[Block], dtype) -> nnx.State:
-    """The blocks' parameters stacked along a new axis 0; the attention's matrices cast to
-    ``dtype`` (the FFN's keep their storage dtype: the sparse FFN's backward returns float32
-    master weights' gradients straight from its kernels, without a round trip through
-    ``dtype``)."""
+def _stack_params(blocks: Sequence[Block], cfg: ModelConfig) -> nnx.State:
+    """The blocks' parameters stacked along a new axis 0, matrices cast to the compute dtype,
+    except the sparse FFN's: its backward returns float32 master weights' gradients straight
+    from its kernels, which a cast outside it would round through the compute dtype."""
+    sparse_ffn = cfg.implementation != "xla"
 
     def stack(path, *leaves: jax.Array) -> jax.Array:
-        in_ffn = any(getattr(key, "key", None) == "ffn" for key in path)
-        cast = [v.astype(dtype) if not in_ffn and v.ndim >= 2
+        keep = sparse_ffn and any(getattr(key, "key", None) == "ffn" for key in path)
+        cast = [v.astype(cfg.dtype) if not keep and v.ndim >= 2
                 and jnp.issubdtype(v.dtype, jnp.floating) else v for v in leaves]
         return jnp.stack(cast)
 
@@ -84,8 +84,9 @@ the scan against 5.3 ms in the loop). Such calls compile once per layer, as befo
 
 def run_blocks(model: nnx.Module, blocks: Sequence[Block], cfg: ModelConfig, step: Callable,
                x: jax.Array) -> tuple[jax.Array, list]:
-    """Runs ``step(block, x) -> (x, out)`` for every block in order: under one scan when x
-    holds at least ``SCAN_MIN_TOKENS`` tokens, else in a Python loop.
+    """Runs ``step(block, x) -> (x, out)`` for every block in order: under one scan when
+    ``cfg.scan_layers`` and x holds at least ``SCAN_MIN_TOKENS`` tokens, else in a Python
+    loop.
 
     Args:
       model: the module that holds ``blocks`` (its capture, if any, is forwarded).
@@ -98,7 +99,7 @@ def run_blocks(model: nnx.Module, blocks: Sequence[Block], cfg: ModelConfig, ste
     Returns:
       (x after the last block, the list of each block's ``out``).
     """
-    if x.size // x.shape[-1] >= SCAN_MIN_TOKENS:
+    if cfg.scan_layers and x.size // x.shape[-1] >= SCAN_MIN_TOKENS:
         x, outs = _scan(model, blocks, cfg, step, x)
         return x, [jax.tree.map(lambda a: a[layer], outs) for layer in range(len(blocks))]
     run = nnx.remat(step, policy=REMAT_POLICY) if cfg.remat else step
@@ -125,7 +126,7 @@ def _scan(model: nnx.Module, blocks: Sequence[Block], cfg: ModelConfig, step: Ca
 
     if cfg.remat:
         body = jax.checkpoint(body, policy=REMAT_POLICY)
-    x, (outs, captured) = jax.lax.scan(body, x, _stack_params(blocks, cfg.dtype))
+    x, (outs, captured) = jax.lax.scan(body, x, _stack_params(blocks, cfg))
     for var_type, state in zip(types, captured):
         _sow_per_layer(blocks, var_type, state)
     return x, outs
