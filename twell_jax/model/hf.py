@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -29,6 +30,51 @@ _HF_LAYER_PARAMS = {
 }
 
 
+_MAX_SIZE = 2**31 - 1  # sizes index int32 arrays
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+_OPTIONAL_SIZES = ("num_key_value_heads", "max_position_embeddings", "head_dim")
+
+
+def _check_types(hf) -> None:
+    """ValueError naming the key for a config.json value of the wrong type or range (the
+    values a stranger's file could hold: strings, bools, floats, zero or negative sizes)."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"not a JSON object but a {type(hf).__name__}")
+    for key in _REQUIRED + _OPTIONAL_SIZES:
+        if key not in hf or (key in _OPTIONAL_SIZES and hf[key] is None):
+            if key in _REQUIRED:
+                raise ValueError(f"required key {key!r} is missing")
+            continue
+        value = hf[key]
+        if type(value) is not int or value < 1:  # not bool, not 2.0
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        if value > _MAX_SIZE:
+            raise ValueError(f"{key} {value} is out of range (at most {_MAX_SIZE})")
+    if hf["hidden_size"] % hf["num_attention_heads"]:
+        raise ValueError(f"num_attention_heads {hf['num_attention_heads']} does not divide "
+                         f"hidden_size {hf['hidden_size']}")
+    rope = hf.get("rope_parameters")
+    rope_theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    for key, value in (("rms_norm_eps", hf.get("rms_norm_eps")),
+                       ("rope_theta", hf.get("rope_theta")),
+                       ("rope_parameters.rope_theta", rope_theta)):
+        if value is None:
+            continue
+        if type(value) not in (int, float):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        if not value > 0 or not math.isfinite(value):
+            raise ValueError(f"{key} must be positive and finite, got {value!r}")
+    if "rms_norm_eps" in hf and not hf["rms_norm_eps"] < 1:
+        raise ValueError(f"rms_norm_eps must be in (0, 1), got {hf['rms_norm_eps']!r}")
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise ValueError(f"{key} must be true or false, got {hf[key]!r}")
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ValueError(f"{key} must be an object or null, got {hf[key]!r}")
+
+
 def hf_config(hf: dict, **overrides) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face Llama ``config.json`` (a dict).
 
@@ -39,8 +85,10 @@ def hf_config(hf: dict, **overrides) -> ModelConfig:
     ``apply_rope``; ``num_key_value_heads`` maps to grouped-query attention; the output
     projection is tied or a separate ``lm_head``. Only what we can run is accepted: ``hidden_act``
     "relu" (the paper's ReLU-gated FFN), no biases, no rope scaling, head_dim = D / heads.
-    ``overrides`` replace fields (dtype, implementation, max_seq_len, ...).
+    ``overrides`` replace fields (dtype, implementation, max_seq_len, ...). ValueError, naming
+    the key, for a missing key or a value of the wrong type or range.
     """
+    _check_types(hf)
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
         raise ValueError(f"model_type {model_type!r} is not supported (only 'llama')")
@@ -88,7 +136,12 @@ def from_hf(folder, **overrides) -> Transformer:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model folder")
-    cfg = hf_config(json.loads(config_path.read_text()), **overrides)
+    try:  # a stranger's file: every problem as a ValueError naming the file
+        cfg = hf_config(json.loads(config_path.read_text()), **overrides)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: not JSON ({e})") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{config_path}: {e}") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
