@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ from flax import nnx
 
 from twell_jax import safetensors_io
 from twell_jax.model.config import ModelConfig
+from twell_jax.model.hf_checks import check_config_types
 from twell_jax.model.transformer import Transformer
 
 
@@ -30,51 +30,6 @@ _HF_LAYER_PARAMS = {
 }
 
 
-_MAX_SIZE = 2**31 - 1  # sizes index int32 arrays
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads")
-_OPTIONAL_SIZES = ("num_key_value_heads", "max_position_embeddings", "head_dim")
-
-
-def _check_types(hf) -> None:
-    """ValueError naming the key for a config.json value of the wrong type or range (the
-    values a stranger's file could hold: strings, bools, floats, zero or negative sizes)."""
-    if not isinstance(hf, dict):
-        raise ValueError(f"not a JSON object but a {type(hf).__name__}")
-    for key in _REQUIRED + _OPTIONAL_SIZES:
-        if key not in hf or (key in _OPTIONAL_SIZES and hf[key] is None):
-            if key in _REQUIRED:
-                raise ValueError(f"required key {key!r} is missing")
-            continue
-        value = hf[key]
-        if type(value) is not int or value < 1:  # not bool, not 2.0
-            raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        if value > _MAX_SIZE:
-            raise ValueError(f"{key} {value} is out of range (at most {_MAX_SIZE})")
-    if hf["hidden_size"] % hf["num_attention_heads"]:
-        raise ValueError(f"num_attention_heads {hf['num_attention_heads']} does not divide "
-                         f"hidden_size {hf['hidden_size']}")
-    rope = hf.get("rope_parameters")
-    rope_theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    for key, value in (("rms_norm_eps", hf.get("rms_norm_eps")),
-                       ("rope_theta", hf.get("rope_theta")),
-                       ("rope_parameters.rope_theta", rope_theta)):
-        if value is None:
-            continue
-        if type(value) not in (int, float):
-            raise ValueError(f"{key} must be a number, got {value!r}")
-        if not value > 0 or not math.isfinite(value):
-            raise ValueError(f"{key} must be positive and finite, got {value!r}")
-    if "rms_norm_eps" in hf and not hf["rms_norm_eps"] < 1:
-        raise ValueError(f"rms_norm_eps must be in (0, 1), got {hf['rms_norm_eps']!r}")
-    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
-        if hf.get(key) is not None and not isinstance(hf[key], bool):
-            raise ValueError(f"{key} must be true or false, got {hf[key]!r}")
-    for key in ("rope_parameters", "rope_scaling"):
-        if hf.get(key) is not None and not isinstance(hf[key], dict):
-            raise ValueError(f"{key} must be an object or null, got {hf[key]!r}")
-
-
 def hf_config(hf: dict, **overrides) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face Llama ``config.json`` (a dict).
 
@@ -88,7 +43,7 @@ def hf_config(hf: dict, **overrides) -> ModelConfig:
     ``overrides`` replace fields (dtype, implementation, max_seq_len, ...). ValueError, naming
     the key, for a missing key or a value of the wrong type or range.
     """
-    _check_types(hf)
+    check_config_types(hf)
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
         raise ValueError(f"model_type {model_type!r} is not supported (only 'llama')")
