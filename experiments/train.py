@@ -141,8 +141,8 @@ class TrainConfig:
     process_id: int = flag(-1, "with --distributed: this process's id, 0 .. count - 1 (default "
                                 "$JAX_PROCESS_ID, else auto-detection)")
     heartbeat_timeout: int = flag(0, "with --distributed: seconds without a heartbeat after "
-                                      "which a process counts as dead and the others stop with "
-                                      "an error (default $TWELL_HEARTBEAT_TIMEOUT, else jax's 100)")
+                                      "which a process counts as dead and jax aborts the others "
+                                      "(default $TWELL_HEARTBEAT_TIMEOUT, else jax's 100)")
     compile_cache: str = flag(cli.DEFAULT_COMPILE_CACHE, "folder that keeps the compiled "
                               "steps, so a rerun or --resume skips compiling ('' for none)")
 
@@ -536,7 +536,7 @@ def _start_run(cfg: TrainConfig, run_dir: Path, model, optimizer, primary: bool,
                mesh: jax.sharding.Mesh):
     """The checkpoint manager, the step to start from (restored with ``--resume``) and the
     metric records up to it; writes the run's config.json (with the changes of a resume)."""
-    manager = checkpoint_manager(run_dir)
+    manager = checkpoint_manager(run_dir, writer=True)
     start, changes = 0, []
     saved = _read_run_config(run_dir)
     if cfg.resume:

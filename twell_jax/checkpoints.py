@@ -9,10 +9,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 
-def checkpoint_manager(run_dir: Path) -> ocp.CheckpointManager:
+def checkpoint_manager(run_dir: Path, writer: bool = False) -> ocp.CheckpointManager:
+    """The manager of ``run_dir/ckpt``. ``writer``: the training run that will save there;
+    it removes the temporary folders of saves a killed process left behind (a reader must
+    not: they may belong to a save in progress)."""
     return ocp.CheckpointManager(
         (run_dir / "ckpt").absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
+                                             cleanup_tmp_directories=writer))
 
 
 def save_checkpoint(manager: ocp.CheckpointManager, step: int, model, optimizer) -> None:
