@@ -99,17 +99,29 @@ def load(cfg: GenerateConfig):
         if not (run / "config.json").is_file() or not (run / "ckpt").is_dir():
             raise SystemExit(f"--checkpoint {run}: not a train.py run folder "
                              "(config.json and ckpt/ expected)")
-        run_cfg = json.loads((run / "config.json").read_text())
-        if cfg.model and cfg.model != run_cfg["model"]:
-            raise SystemExit(f"--model {cfg.model} differs from the run's {run_cfg['model']}")
-        model = model_lib.build(run_cfg["model"],
-                                implementation=cfg.implementation or run_cfg["implementation"])
+        try:
+            run_cfg = json.loads((run / "config.json").read_text())
+            model_name = run_cfg["model"]
+            if model_name not in model_lib.CONFIGS:
+                raise ValueError(f"unknown model {model_name!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"--checkpoint {run}: config.json is not a train.py run's "
+                             f"({type(e).__name__}: {e})") from None
+        if cfg.model and cfg.model != model_name:
+            raise SystemExit(f"--model {cfg.model} differs from the run's {model_name}")
+        model = model_lib.build(model_name,
+                                implementation=cfg.implementation or run_cfg.get(
+                                    "implementation", "xla"))
         manager = checkpoints.checkpoint_manager(run)
-        step = checkpoints.restore_checkpoint(manager, model)
-        manager.close()
+        try:
+            step = checkpoints.restore_checkpoint(manager, model)
+        except ValueError as e:
+            raise SystemExit(f"--checkpoint {run}: {e}") from None
+        finally:
+            manager.close()
         if not step:
             raise SystemExit(f"--checkpoint {run}: no checkpoint under {run / 'ckpt'}")
-        tokenizer_spec = cfg.tokenizer or run_cfg["tokenizer"]
+        tokenizer_spec = cfg.tokenizer or run_cfg.get("tokenizer", "bytes")
         what = f"{run_cfg['model']} from {run} at step {step}"
     else:
         model = model_lib.build(cfg.model or "tiny", seed=cfg.seed,

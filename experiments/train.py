@@ -22,8 +22,46 @@ Several devices (``twell_jax.sharding``): ``--mesh data=N,fsdp=M`` lays the visi
 as an N x M mesh (default: all on ``data``); the batch is split over both axes (``--batch-size``
 is the global batch, a multiple of N * M) and the parameters with their AdamW moments over
 ``fsdp``. Checkpoints hold whole arrays: a run saved on one mesh resumes on another (any
-device count); on the same mesh ``--resume`` stays exact. ``--distributed`` first calls ``jax.distributed.initialize()`` for a
-multi-host run (one process per host, see docs/guide.md).
+device count); on the same mesh ``--resume`` stays exact. ``--distributed`` first calls
+``jax.distributed.initialize()`` for a multi-host run (one process per host, see docs/guide.md
+and below).
+
+Stopping, exit statuses, resuming, several processes
+----------------------------------------------------
+SIGTERM or SIGINT (Ctrl-C) while training: the current step finishes, a checkpoint of it is
+written, one line names it ("stopped by SIGTERM after step 37: checkpoint step 37 in
+runs/x/ckpt/37 ...") and the process exits with 128 + the signal's number: 143 for SIGTERM,
+130 for SIGINT. Further signals while that checkpoint is written are ignored. SIGKILL cannot
+be caught, but checkpoints are written to a temporary folder and renamed, so a kill at any
+moment leaves the previous checkpoint whole. With several processes the stop is agreed at
+each step boundary (a tiny all-gather), so all save the same step, each its own shards.
+
+Exit statuses: 0 done, or the run had already finished; 143 / 130 stopped by SIGTERM / SIGINT
+after saving; 2 a bad flag (argparse); 1 any other expected failure, as one line on stderr
+and no traceback: a non-finite loss (the line names the step and the last good checkpoint,
+which is never one written after the loss went bad), a missing folder, a checkpoint that does
+not fit the model or the mesh, a --resume whose flags differ from the run's.
+
+``--resume`` restores the newest checkpoint in ``--out-dir``; with the same flags the losses
+that follow equal, bit for bit, those of an uninterrupted run. A finished run says so in one
+line (step, held-out loss, train cross-entropy) and exits 0. The schedule-defining flags
+(--model --steps --lr --warmup --weight-decay --grad-clip --l1-coeff --batch-size --seq-len
+--seed --data --tokenizer --heldout-fraction) must equal those in the run's config.json, else
+the run refuses with one line naming each difference (flag: old -> new);
+``--allow-config-change`` goes on and appends ``{"step", "flag", "old", "new"}`` to
+config.json's "changes" list. The other flags may change freely (recorded the same way):
+--implementation and --remat compute the same math up to rounding, --mesh only places the
+arrays, and the intervals of evaluation, logging and checkpoints do not touch the weights.
+metrics.jsonl keeps the records up to the restored step: replayed steps replace theirs.
+
+``--distributed`` passes ``--coordinator`` / ``--num-processes`` / ``--process-id`` to
+``jax.distributed.initialize``, each defaulting to the environment's JAX_COORDINATOR_ADDRESS /
+JAX_NUM_PROCESSES / JAX_PROCESS_ID; with none of them set it calls it without arguments (jax
+detects SLURM, Open MPI, Cloud TPU ...). ``--heartbeat-timeout`` (or TWELL_HEARTBEAT_TIMEOUT)
+sets how many seconds without a heartbeat mark a process as dead: jax then aborts the others
+(SIGABRT, a log line naming the task that "stopped sending heartbeats") instead of leaving them
+waiting in a collective; restart them all with ``--resume``. With several processes the stop
+decision costs one small all-gather per step (the host waits for each step's result).
 """
 
 from __future__ import annotations
@@ -33,6 +71,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,7 +84,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from twell_jax import cli
+from twell_jax import cli, multihost, preemption
 from twell_jax.cli import flag, flag_parser
 
 from twell_jax import model as model_lib
@@ -90,8 +129,20 @@ class TrainConfig:
     resume: bool = flag(False, "continue from the newest checkpoint in --out-dir")
     mesh: str = flag("", "device mesh, e.g. data=2,fsdp=2: batch split over both axes, "
                           "parameters and optimizer state over fsdp; default: all on data")
-    distributed: bool = flag(False, "call jax.distributed.initialize() first (multi-host: "
-                                     "one process per host; coordinator from the environment)")
+    allow_config_change: bool = flag(False, "with --resume: continue although schedule-defining "
+                                             "flags differ from the run's config.json (the "
+                                             "change is recorded there)")
+    distributed: bool = flag(False, "call jax.distributed.initialize() first (one process per "
+                                     "host); see --coordinator, --num-processes, --process-id")
+    coordinator: str = flag("", "with --distributed: the coordinator's host:port (default "
+                                 "$JAX_COORDINATOR_ADDRESS, else cluster auto-detection)")
+    num_processes: int = flag(0, "with --distributed: the number of processes (default "
+                                  "$JAX_NUM_PROCESSES, else auto-detection)")
+    process_id: int = flag(-1, "with --distributed: this process's id, 0 .. count - 1 (default "
+                                "$JAX_PROCESS_ID, else auto-detection)")
+    heartbeat_timeout: int = flag(0, "with --distributed: seconds without a heartbeat after "
+                                      "which a process counts as dead and jax aborts the others "
+                                      "(default $TWELL_HEARTBEAT_TIMEOUT, else jax's 100)")
     compile_cache: str = flag(cli.DEFAULT_COMPILE_CACHE, "folder that keeps the compiled "
                               "steps, so a rerun or --resume skips compiling ('' for none)")
 
@@ -105,7 +156,8 @@ class TrainConfig:
 
 
 def parse_args(argv: Sequence[str] | None) -> TrainConfig:
-    parser = flag_parser(TrainConfig, __doc__.split("\n")[0])
+    epilog = __doc__[__doc__.index("Stopping, exit statuses"):]
+    parser = flag_parser(TrainConfig, __doc__.split("\n")[0], epilog=epilog)
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     for name in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
         if getattr(cfg, name) < 1:
@@ -266,10 +318,31 @@ def _jsonable(value):
 
 
 def read_metrics(path: Path, up_to_step: int | None = None) -> list[dict]:
+    """The records of a metrics.jsonl file (those of steps <= ``up_to_step`` when given). A
+    last line cut short (the process killed while appending it) is dropped."""
     if not path.exists():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}, line {i + 1}: not JSON: {line[:80]!r}") from None
     return [r for r in records if up_to_step is None or r["step"] <= up_to_step]
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Writes ``text`` to a temporary file beside ``path``, then renames it over ``path``: a
+    process killed meanwhile leaves the old file whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def write_plot(records: list[dict], path: Path, title: str) -> None:
@@ -316,7 +389,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
     """
     cli.use_compile_cache(cfg.compile_cache)
     if cfg.distributed:
-        jax.distributed.initialize()
+        try:
+            multihost.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id,
+                                 cfg.heartbeat_timeout)
+        except (ValueError, RuntimeError) as e:
+            raise SystemExit(f"--distributed: {e} (set --coordinator, --num-processes and "
+                             f"--process-id, or {multihost.ENV_COORDINATOR}, "
+                             f"{multihost.ENV_NUM_PROCESSES} and {multihost.ENV_PROCESS_ID})"
+                             ) from None
     try:
         mesh = sharding.make_mesh(sharding.parse_mesh(cfg.mesh))
     except ValueError as e:
@@ -338,9 +418,8 @@ class _Records:
 
     def __init__(self, path: Path, records: list[dict], primary: bool):
         self.path, self.records, self.primary = path, records, primary
-        if primary:
-            with open(path, "w") as f:  # drop lines past the checkpoint
-                f.writelines(json.dumps(r) + "\n" for r in records)
+        if primary:  # drop the lines past the checkpoint: replayed steps replace them
+            _write_atomically(path, "".join(json.dumps(r) + "\n" for r in records))
 
     def append(self, record: dict) -> None:
         self.records.append(record)
@@ -375,13 +454,98 @@ class _Clock:
         return self._rate
 
 
-def _start_run(cfg: TrainConfig, run_dir: Path, model, optimizer, primary: bool, log):
+# Flags that define the optimization: a --resume that changes one would not continue the same
+# run (refused without --allow-config-change).
+SCHEDULE_FLAGS = ("model", "steps", "lr", "warmup", "weight_decay", "grad_clip", "l1_coeff",
+                  "batch_size", "seq_len", "seed", "data", "tokenizer", "heldout_fraction")
+# Flags of one invocation, not of the run: neither compared nor recorded.
+INVOCATION_FLAGS = ("name", "out_dir", "resume", "allow_config_change", "compile_cache",
+                    "distributed", "coordinator", "num_processes", "process_id",
+                    "heartbeat_timeout")
+
+
+def config_changes(saved: dict, cfg: TrainConfig) -> list[dict]:
+    """``{"flag", "old", "new"}`` for each run flag of ``cfg`` that differs from the saved
+    config.json ``saved`` (flags it lacks, from an older version, are skipped)."""
+    changes = []
+    for field in dataclasses.fields(cfg):
+        if field.name in INVOCATION_FLAGS or field.name not in saved:
+            continue
+        new = getattr(cfg, field.name)
+        if saved[field.name] != new:
+            changes.append({"flag": field.name, "old": saved[field.name], "new": new})
+    return changes
+
+
+def _describe(change: dict) -> str:
+    return f"--{change['flag'].replace('_', '-')}: {change['old']!r} -> {change['new']!r}"
+
+
+def _read_run_config(run_dir: Path) -> dict | None:
+    path = run_dir / "config.json"
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{path}: not JSON ({e})") from None
+    if not isinstance(saved, dict):
+        raise SystemExit(f"{path}: not a JSON object")
+    return saved
+
+
+def _check_resume(cfg: TrainConfig, run_dir: Path, saved: dict | None) -> list[dict]:
+    """The flag changes of a --resume against the run's config.json; SystemExit naming the
+    schedule-defining ones unless --allow-config-change."""
+    changes = [] if saved is None else config_changes(saved, cfg)
+    refused = [c for c in changes if c["flag"] in SCHEDULE_FLAGS]
+    if refused and not cfg.allow_config_change:
+        raise SystemExit(f"--resume: flags differ from {run_dir / 'config.json'}: "
+                         + "; ".join(_describe(c) for c in refused)
+                         + " (pass the run's values, or --allow-config-change to go on)")
+    return changes
+
+
+def _finished(cfg: TrainConfig, run_dir: Path, step: int) -> dict:
+    """The summary of a run whose newest checkpoint is at or past --steps, from its records."""
+    records = read_metrics(run_dir / "metrics.jsonl", up_to_step=step)
+    last_eval = next((r for r in reversed(records) if "eval_loss" in r), {})
+    last = next((r for r in reversed(records) if "ce" in r), {})
+    return {"step": step, "finished": True, "eval_loss": last_eval.get("eval_loss"),
+            "eval_step": last_eval.get("step"), "dead_frac": last_eval.get("dead_frac"),
+            "train_ce": last.get("ce"), "nnz_mean": last.get("nnz_mean"),
+            "out_dir": str(run_dir)}
+
+
+def _finished_line(summary: dict, steps: int) -> str:
+    parts = [f"{summary['out_dir']} already finished: checkpoint at step {summary['step']} "
+             f"of --steps {steps}"]
+    if summary["eval_loss"] is not None:
+        parts.append(f"held-out loss {summary['eval_loss']:.4f} at step {summary['eval_step']}")
+    else:
+        parts.append("no held-out evaluation recorded")
+    if summary["train_ce"] is not None:
+        parts.append(f"train cross-entropy {summary['train_ce']:.4f}")
+    if summary["nnz_mean"] is not None:
+        parts.append(f"nnz per token by layer {_fmt(summary['nnz_mean'])}")
+    return "; ".join(parts) + "; nothing to do (a larger --steps needs --allow-config-change)"
+
+
+def _start_run(cfg: TrainConfig, run_dir: Path, model, optimizer, primary: bool, log,
+               mesh: jax.sharding.Mesh):
     """The checkpoint manager, the step to start from (restored with ``--resume``) and the
-    metric records up to it; writes the run's config.json."""
-    manager = checkpoint_manager(run_dir)
-    start = 0
+    metric records up to it; writes the run's config.json (with the changes of a resume)."""
+    manager = checkpoint_manager(run_dir, writer=True)
+    start, changes = 0, []
+    saved = _read_run_config(run_dir)
     if cfg.resume:
-        start = restore_checkpoint(manager, model, optimizer)
+        latest = manager.latest_step()
+        changes = _check_resume(cfg, run_dir, saved) if latest is not None else []
+        try:
+            start = restore_checkpoint(manager, model, optimizer)
+        except ValueError as e:
+            raise SystemExit(f"--resume: {e} (this run: --model {cfg.model}, mesh "
+                             f"{sharding.describe(mesh)})") from None
         log(f"resumed from step {start}" if start else "no checkpoint found: starting fresh")
     elif manager.latest_step() is not None:
         raise SystemExit(f"{run_dir / 'ckpt'} holds checkpoints; pass --resume to continue, "
@@ -390,7 +554,12 @@ def _start_run(cfg: TrainConfig, run_dir: Path, model, optimizer, primary: bool,
     records = _Records(metrics_path, read_metrics(metrics_path, up_to_step=start) if start else [],
                        primary)
     if primary:
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+        config = dataclasses.asdict(cfg)
+        history = list(saved.get("changes", [])) if (saved and start) else []
+        history += [{"step": start, **c} for c in changes]
+        if history:
+            config["changes"] = history
+        _write_atomically(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
     return manager, start, records
 
 
@@ -405,8 +574,21 @@ def _log_metrics(metrics, done: int, clock: _Clock, records: _Records, bar) -> N
     records.append(record)
     bar.set_postfix(loss=f"{record['ce']:.3f}", nnz=f"{np.mean(record['nnz_mean']):.1f}",
                     tok_s=f"{tokens_per_s:,.0f}")
-    if not np.isfinite(record["loss"]):
-        raise FloatingPointError(f"loss is {record['loss']} at step {done}")
+
+
+def _check_finite(metrics, done: int, manager) -> None:
+    """SystemExit naming the step and the newest checkpoint when the loss or the gradient norm
+    of step ``done`` is not finite (called before any checkpoint is written, so the newest one
+    is good)."""
+    loss, grad_norm = (float(np.asarray(sharding.to_host(metrics[k])))
+                       for k in ("loss", "grad_norm"))
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    good = manager.latest_step()
+    where = (f"the last good checkpoint is step {good} in {Path(manager.directory) / str(good)} "
+             "(continue from it with --resume, e.g. with a lower --lr and "
+             "--allow-config-change)" if good is not None else "no checkpoint was written")
+    raise SystemExit(f"loss {loss}, gradient norm {grad_norm} at step {done}: stopping; {where}")
 
 
 def _evaluate_and_record(model, corpus: Corpus, cfg: TrainConfig, mesh, done: int,
@@ -444,8 +626,10 @@ def _summarize(cfg: TrainConfig, end: int, records: list[dict], last_eval: dict,
         "out_dir": str(run_dir),
     }
     first = next((r for r in records if "ce" in r), {})
+    held_out = (f"held-out loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None
+                else "no held-out evaluation yet")
     log(f"done: step {end}/{cfg.steps}; train cross-entropy {first.get('ce', float('nan')):.3f} "
-        f"-> {summary['train_ce']:.3f}; held-out loss {summary['eval_loss']}")
+        f"-> {summary['train_ce'] or float('nan'):.3f}; {held_out}")
     log(f"  nnz per token by layer: {_fmt(first.get('nnz_mean'))} -> {_fmt(summary['nnz_mean'])} "
         f"of {d_ff} (p99 {summary['nnz_p99']}, max {summary['nnz_max']}); heavy rows {summary['heavy_rows']}")
     log(f"  dead units by layer: {summary['dead_frac']}; {summary['tokens_per_s']} tokens/s; "
@@ -456,16 +640,33 @@ def _summarize(cfg: TrainConfig, end: int, records: list[dict], last_eval: dict,
 def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after: int | None,
            corpus: Corpus | None, quiet: bool) -> dict:
     run_dir = cfg.run_dir
+    if cfg.resume and not run_dir.is_dir():
+        raise SystemExit(f"--resume: {run_dir} does not exist (no run to continue)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    if corpus is None:
-        corpus = load_corpus(cfg.data, make_tokenizer(cfg.tokenizer), cfg.heldout_fraction)
     log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    if cfg.resume:  # a finished run: say so before loading anything
+        probe = checkpoint_manager(run_dir)
+        latest = probe.latest_step()
+        probe.close()
+        if latest is not None and latest >= cfg.steps:
+            _check_resume(cfg, run_dir, _read_run_config(run_dir))
+            summary = _finished(cfg, run_dir, latest)
+            log(_finished_line(summary, cfg.steps))
+            return summary
+    if corpus is None:
+        try:
+            corpus = load_corpus(cfg.data, make_tokenizer(cfg.tokenizer), cfg.heldout_fraction)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(str(e)) from None
     log(f"data: {corpus.description}")
     log(f"mesh: {sharding.describe(mesh)}")
-    model, optimizer = build(cfg, corpus.vocab_size, mesh)
+    try:
+        model, optimizer = build(cfg, corpus.vocab_size, mesh)
+    except ValueError as e:
+        raise SystemExit(f"--model {cfg.model}: {e}") from None
     log(f"model: {cfg.model} ({model.cfg.param_count():,} parameters), FFN "
         f"{cfg.implementation}, L1 {cfg.l1_coeff:g}, out {run_dir}")
-    manager, start, records = _start_run(cfg, run_dir, model, optimizer, primary, log)
+    manager, start, records = _start_run(cfg, run_dir, model, optimizer, primary, log, mesh)
 
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     l1_coeff = jnp.float32(cfg.l1_coeff)
@@ -476,33 +677,52 @@ def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after:
     clock = _Clock()
     last_eval: dict = {}
     train_step = TrainStep(model, optimizer)
-    for step in bar:
-        batch = sharding.shard_batch(sample_batch(corpus.train, cfg.batch_size, cfg.seq_len,
-                                                  cfg.seed, step, TRAIN_STREAM), mesh)
-        metrics = train_step(batch, l1_coeff)
-        done = step + 1
-        if step == start:
-            jax.block_until_ready(metrics)
-            clock.start()
-        else:
-            clock.tokens += tokens_per_step
-        if done % cfg.log_every == 0 or done == end:
-            _log_metrics(metrics, done, clock, records, bar)
-        at_eval = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
-        at_ckpt = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
-        if at_eval or at_ckpt:
-            jax.block_until_ready(metrics)
-            clock.stop()
-            train_step.sync()  # the model and the optimizer as of this step
-        if at_eval:
-            last_eval = _evaluate_and_record(model, corpus, cfg, mesh, done, records, run_dir,
-                                             bar, quiet)
-        if at_ckpt:
-            save_checkpoint(manager, done, model, optimizer)
-        if at_eval or at_ckpt:
-            clock.start()
+    saved_step, stop_signal, done = start, None, start
+    # From here SIGTERM / SIGINT only ask to stop: acted on between steps (twell_jax.preemption).
+    with preemption.StopSignals() as signals:
+        for step in bar:
+            batch = sharding.shard_batch(sample_batch(corpus.train, cfg.batch_size, cfg.seq_len,
+                                                      cfg.seed, step, TRAIN_STREAM), mesh)
+            metrics = train_step(batch, l1_coeff)
+            done = step + 1
+            if step == start:
+                jax.block_until_ready(metrics)
+                clock.start()
+            else:
+                clock.tokens += tokens_per_step
+            if done % cfg.log_every == 0 or done == end:
+                _log_metrics(metrics, done, clock, records, bar)
+                _check_finite(metrics, done, manager)
+            at_eval = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
+            at_ckpt = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end
+            # The stop decision, agreed between processes; not after the last step (done).
+            stop_signal = signals.agreed() if done < end else None
+            at_ckpt = at_ckpt or stop_signal is not None
+            if at_eval or at_ckpt:
+                jax.block_until_ready(metrics)
+                clock.stop()
+                train_step.sync()  # the model and the optimizer as of this step
+            if at_eval:
+                last_eval = _evaluate_and_record(model, corpus, cfg, mesh, done, records,
+                                                 run_dir, bar, quiet)
+            if at_ckpt:
+                _check_finite(metrics, done, manager)  # never save a step gone bad
+                save_checkpoint(manager, done, model, optimizer)
+                saved_step = done
+            if stop_signal is not None:
+                break
+            if at_eval or at_ckpt:
+                clock.start()
     bar.close()
     manager.close()
+    if stop_signal is not None:
+        name = signal.Signals(stop_signal).name
+        status = preemption.exit_status(stop_signal)
+        if primary:
+            print(f"stopped by {name} after step {done}: checkpoint step {saved_step} in "
+                  f"{Path(manager.directory) / str(saved_step)}; exit status {status} "
+                  "(continue with --resume)", flush=True)
+        raise SystemExit(status)
     if primary:
         write_plot(records.records, run_dir / "metrics.png", cfg.run_name)
     return _summarize(cfg, end, records.records, last_eval, clock, run_dir, model.cfg.d_ff, log)
@@ -513,7 +733,12 @@ def _fmt(values) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    return train(parse_args(argv))
+    cfg = parse_args(argv)
+    try:
+        return train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C before the first step (later ones stop at a step)
+        print("interrupted before training started: nothing saved", file=sys.stderr)
+        raise SystemExit(preemption.exit_status(signal.SIGINT)) from None
 
 
 if __name__ == "__main__":

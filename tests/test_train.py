@@ -226,3 +226,148 @@ def test_main_smoke(train, text_dir, tmp_path, capsys):
     assert summary["eval_loss"] == evals[-1]["eval_loss"]
     text = capsys.readouterr().out
     assert "held-out loss" in text and "nnz per token" in text
+
+
+# ------------------------------------------------------------------------------------------
+# Stopping, honest resume, errors a person reads.
+
+
+def _losses(path: pathlib.Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in train_module_read(path) if "loss" in r]
+
+
+def train_module_read(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_in_process_saves_and_resumes_exactly(train, text_dir, tmp_path, monkeypatch,
+                                                      capsys):
+    """SIGTERM (and a second signal) arriving during step 2: the step finishes, a checkpoint
+    of it is written, one line names it, SystemExit(143); --resume then matches a run that was
+    never stopped (the subprocess version: tests/test_preemption.py)."""
+    import signal
+
+    corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
+    flags = TINY_FLAGS + ["--ckpt-every", "0", "--eval-every", "0"]
+    full = train.parse_args(flags + ["--out-dir", str(tmp_path / "full")])
+    stopped = train.parse_args(flags + ["--out-dir", str(tmp_path / "stopped")])
+    train.train(full, corpus=corpus, quiet=True)
+    sample = train.sample_batch
+
+    def sample_and_signal(*args, **kwargs):
+        if args[4] == 1:  # the batch of step 2: the signals arrive while it runs
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(train, "sample_batch", sample_and_signal)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        train.train(stopped, corpus=corpus, quiet=True)
+    assert info.value.code == 143
+    lines = capsys.readouterr().out.strip().splitlines()
+    ckpt = tmp_path / "stopped" / "ckpt" / "2"
+    assert lines == [f"stopped by SIGTERM after step 2: checkpoint step 2 in {ckpt}; exit "
+                     "status 143 (continue with --resume)"]
+    assert ckpt.is_dir()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    monkeypatch.setattr(train, "sample_batch", sample)
+    train.train(dataclasses.replace(stopped, resume=True), corpus=corpus, quiet=True)
+    assert _losses(tmp_path / "stopped") == _losses(tmp_path / "full")
+    assert [s for s, _ in _losses(tmp_path / "full")] == [1, 2, 3, 4]
+
+
+def test_resume_replays_steps_finished_run_and_config_changes(train, text_dir, tmp_path,
+                                                              capsys):
+    corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
+    out = tmp_path / "run"
+    cfg = train.parse_args(TINY_FLAGS + ["--ckpt-every", "2", "--eval-every", "0",
+                                         "--out-dir", str(out)])
+    train.train(cfg, corpus=corpus, quiet=True)
+    reference = _losses(out)
+    # As if killed after step 4's records but before its checkpoint: steps 3, 4 are replayed
+    # and replace their records (one per step), with the same losses.
+    import shutil
+    shutil.rmtree(out / "ckpt" / "4")
+    resume = dataclasses.replace(cfg, resume=True)
+    train.train(resume, corpus=corpus, quiet=True)
+    assert _losses(out) == reference and [s for s, _ in reference] == [1, 2, 3, 4]
+    evals = [r for r in train_module_read(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [4]
+    # Resuming the finished run: one line with the final metrics, no "None", returns.
+    capsys.readouterr()
+    summary = train.train(resume, corpus=corpus, quiet=False)
+    text = capsys.readouterr().out.strip()
+    assert summary["finished"] and summary["eval_loss"] == evals[0]["eval_loss"]
+    assert len(text.splitlines()) == 1 and "None" not in text, text
+    assert f"already finished: checkpoint at step 4 of --steps 4; held-out loss " \
+           f"{evals[0]['eval_loss']:.4f} at step 4; train cross-entropy" in text, text
+    # Changed schedule flags: refused, each named with its old and new value.
+    changed = dataclasses.replace(resume, l1_coeff=0.5, seed=3, steps=6)
+    with pytest.raises(SystemExit, match="flags differ from .*config.json") as info:
+        train.train(changed, corpus=corpus, quiet=True)
+    for part in ("--l1-coeff: 0.01 -> 0.5", "--steps: 4 -> 6", "--seed: 0 -> 3",
+                 "--allow-config-change"):
+        assert part in str(info.value), info.value
+    # Non-schedule flags may change (recorded); --allow-config-change continues and records.
+    shutil.rmtree(out / "ckpt" / "4")
+    allowed = dataclasses.replace(resume, l1_coeff=0.02, log_every=2, allow_config_change=True)
+    train.train(allowed, corpus=corpus, quiet=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["l1_coeff"] == 0.02 and config["changes"] == [
+        {"step": 2, "flag": "l1_coeff", "old": 0.01, "new": 0.02},
+        {"step": 2, "flag": "log_every", "old": 1, "new": 2}]
+    assert [s for s, _ in _losses(out)] == [1, 2, 4]
+
+
+def test_nonfinite_loss_names_step_and_last_good_checkpoint(train, text_dir, tmp_path):
+    corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
+    out = tmp_path / "run"
+    cfg = train.parse_args(TINY_FLAGS + ["--ckpt-every", "2", "--eval-every", "0",
+                                         "--out-dir", str(out)])
+    train.train(cfg, corpus=corpus, quiet=True, stop_after=2)
+    # A NaN L1 coefficient (a traced argument: the compiled step is reused) poisons step 3.
+    bad = dataclasses.replace(cfg, resume=True, l1_coeff=float("nan"), allow_config_change=True)
+    with pytest.raises(SystemExit) as info:
+        train.train(bad, corpus=corpus, quiet=True)
+    message = str(info.value.code)
+    assert message.startswith("loss nan, gradient norm nan at step 3: stopping; the last "
+                              f"good checkpoint is step 2 in {out / 'ckpt' / '2'}"), message
+    assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.isdigit()) == ["2"]
+
+
+def test_resume_another_model_or_missing_run(train, text_dir, tmp_path):
+    corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
+    out = tmp_path / "run"
+    cfg = train.parse_args(TINY_FLAGS + ["--eval-every", "0", "--out-dir", str(out)])
+    train.train(cfg, corpus=corpus, quiet=True, stop_after=1)
+    other = dataclasses.replace(cfg, model="25m", resume=True)
+    with pytest.raises(SystemExit, match="--model: 'tiny' -> '25m'"):
+        train.train(other, corpus=corpus, quiet=True)
+    with pytest.raises(SystemExit, match="checkpoint of step 1 in .* does not fit the model"):
+        train.train(dataclasses.replace(other, allow_config_change=True), corpus=corpus,
+                    quiet=True)
+    with pytest.raises(SystemExit, match="does not exist"):
+        train.train(dataclasses.replace(cfg, resume=True, out_dir=str(tmp_path / "none")),
+                    corpus=corpus, quiet=True)
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("train", ["--resume", "--out-dir", "/nonexistent/run"], "--resume: /nonexistent/run does "
+     "not exist"),
+    ("train", ["--data", "/nonexistent/texts", "--out-dir", "{tmp}/r"], "--data "
+     "/nonexistent/texts does not exist"),
+    ("generate", ["--checkpoint", "/nonexistent"], "--checkpoint /nonexistent: not a train.py "
+     "run folder"),
+    ("generate", ["--hf", "{tmp}"], "config.json not found"),
+])
+def test_scripts_fail_with_one_line(tmp_path, script, args, message):
+    """Expected failures end with one line on stderr, exit status 1, no traceback."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{script}.py"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TWELL_COMPILE_CACHE": ""})
+    assert done.returncode == 1, done.stderr[-2000:]
+    lines = [l for l in done.stderr.splitlines() if l.strip() and "WARNING" not in l]
+    assert len(lines) == 1 and message in lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

@@ -49,13 +49,19 @@ def flag(default, help: str, **kwargs) -> dataclasses.Field:
     return dataclasses.field(default=default, metadata={"help": help, **kwargs})
 
 
-def flag_parser(config_cls, description: str, *,
-                underscore_aliases: bool = False) -> argparse.ArgumentParser:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Flag defaults in the help, the epilog's line breaks kept."""
+
+
+def flag_parser(config_cls, description: str, *, underscore_aliases: bool = False,
+                epilog: str | None = None) -> argparse.ArgumentParser:
     """A parser with one flag per field of a dataclass of defaults (fields made by ``flag``):
     ``--field-name``, typed by the default; bools get ``--x / --no-x``; tuples take one or more
-    values (parsed back as lists). ``underscore_aliases`` also accepts ``--field_name``."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    values (parsed back as lists). ``underscore_aliases`` also accepts ``--field_name``;
+    ``epilog`` is printed after the flags, as written."""
+    parser = argparse.ArgumentParser(description=description, epilog=epilog,
+                                     formatter_class=_HelpFormatter)
     for field in dataclasses.fields(config_cls):
         flags = ["--" + field.name.replace("_", "-")]
         if underscore_aliases and "_" in field.name:

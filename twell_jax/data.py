@@ -38,7 +38,12 @@ class HFTokenizer:
             raise SystemExit(
                 f"--tokenizer {path}: the 'tokenizers' package is not installed; "
                 "`pip install tokenizers`, or use --tokenizer bytes") from e
-        self._tok = tokenizers.Tokenizer.from_file(path)
+        if not Path(path).is_file():
+            raise SystemExit(f"--tokenizer {path}: no such file ('bytes', or a tokenizer.json)")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # the package's own error types: a stranger's file, one line
+            raise SystemExit(f"--tokenizer {path}: not a tokenizer.json ({e})") from None
         self.vocab_size = self._tok.get_vocab_size()
         ids = [self._tok.token_to_id(t) for t in self._SEPARATORS]
         self.separator = next((i for i in ids if i is not None), 0)

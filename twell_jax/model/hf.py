@@ -12,6 +12,7 @@ from flax import nnx
 
 from twell_jax import safetensors_io
 from twell_jax.model.config import ModelConfig
+from twell_jax.model.hf_checks import check_config_types
 from twell_jax.model.transformer import Transformer
 
 
@@ -39,8 +40,10 @@ def hf_config(hf: dict, **overrides) -> ModelConfig:
     ``apply_rope``; ``num_key_value_heads`` maps to grouped-query attention; the output
     projection is tied or a separate ``lm_head``. Only what we can run is accepted: ``hidden_act``
     "relu" (the paper's ReLU-gated FFN), no biases, no rope scaling, head_dim = D / heads.
-    ``overrides`` replace fields (dtype, implementation, max_seq_len, ...).
+    ``overrides`` replace fields (dtype, implementation, max_seq_len, ...). ValueError, naming
+    the key, for a missing key or a value of the wrong type or range.
     """
+    check_config_types(hf)
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
         raise ValueError(f"model_type {model_type!r} is not supported (only 'llama')")
@@ -88,7 +91,12 @@ def from_hf(folder, **overrides) -> Transformer:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model folder")
-    cfg = hf_config(json.loads(config_path.read_text()), **overrides)
+    try:  # a stranger's file: every problem as a ValueError naming the file
+        cfg = hf_config(json.loads(config_path.read_text()), **overrides)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: not JSON ({e})") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{config_path}: {e}") from None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
