@@ -132,8 +132,8 @@ def test_gemv_nan_propagates(config):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [
     None,
-    GemvConfig(block_f=64, block_k=32, k_splits=3),
-    GemvConfig(block_f=32, block_k=32, k_splits=1),
+    slow(GemvConfig(block_f=64, block_k=32, k_splits=3)),
+    slow(GemvConfig(block_f=32, block_k=32, k_splits=1)),
 ], ids=["default", "split_sum", "dot_fused"])
 def test_gemv_many_matches_numpy_and_one_at_a_time(config, dtype):
     """Three weights of two widths (q, and grouped k and v), none a multiple of the block,
