@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (add_in_order, finish_partial_sums, next_pow2,
-                                   resolve_interpret)
+from pallas_kernels.common import (add_in_order, block_range, finish_partial_sums,
+                                   next_pow2, resolve_interpret)
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_ROWS = 64  # one program per row: for decode steps, not for a prefill's thousands of rows
@@ -48,8 +48,11 @@ def _kernel(*refs, d: int, d_pad: int, parts: int | None, has_delta: bool, eps: 
     else:
         x_ref, scale_ref, normed_ref = refs
     i = pl.program_id(0)
-    cols = pl.ds(0, d_pad)
-    mask = jnp.arange(d_pad) < d
+    # Columns [0, d_pad) as an index vector, not ``pl.ds(0, d_pad)``: past D (masked) the
+    # static slice is rejected at trace time by jax >= 0.12 (pallas_kernels/common.py,
+    # ``block_range``).
+    cols = block_range(0, d_pad)
+    mask = cols < d
     dtype = x_ref.dtype
     row = _load_row(x_ref.at[i, cols], mask)
     if has_delta:

@@ -61,6 +61,16 @@ def check_dense_tiles(h, tile_width: int, slots_per_tile: int) -> tuple[int, int
     return m, f
 
 
+def block_range(start, size: int) -> jax.Array:
+    """Indices [start, start + size) as an int32 vector, to index a block that may run past an
+    array's end (its loads and stores masked there) where ``pl.ds(start, size)`` with a static
+    start would be rejected: jax >= 0.12 checks static slices against the array's shape at
+    trace time (0.11.2 skipped the check for start 0). Index vectors are not checked, as in
+    JAX's own Triton kernels (``jax.experimental.pallas.ops.gpu.layer_norm``); the Triton
+    lowering computes the same offsets from them."""
+    return start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_config, next_pow2, resolve_interpret
+from pallas_kernels.common import block_range, check_config, next_pow2, resolve_interpret
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -64,12 +64,16 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref
     start = chunk * block_s
     scale = 1.0 / math.sqrt(h)
     row_iota = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    cols = pl.ds(0, h_pad)
-    col_ok = (jax.lax.broadcasted_iota(jnp.int32, (h_pad,), 0) < h)[None, :]
+    # Columns [0, h_pad) as an index vector, not ``pl.ds(0, h_pad)``: past H (masked) the static
+    # slice is rejected at trace time by jax >= 0.12 (``common.block_range``). The interpreter
+    # takes index vectors only if every axis is one (or a scalar), hence the row vectors below.
+    cols = block_range(0, h_pad)
+    col_ok = (cols < h)[None, :]
     as_k = lambda a: a.astype(k_ref.dtype).astype(_F32)
     if use_dot:  # [g_pad, h_pad], rows past the group's G heads zero
         head_ok = (jax.lax.broadcasted_iota(jnp.int32, (g_pad,), 0) < g)[:, None]
-        q = as_k(plgpu.load(q_ref.at[b, pl.ds(kv * g, g_pad), cols], mask=head_ok & col_ok,
+        heads = block_range(kv * g, g_pad)[:, None]
+        q = as_k(plgpu.load(q_ref.at[b, heads, cols[None, :]], mask=head_ok & col_ok,
                             other=0))
     else:  # one [h_pad] row per head (Triton cannot slice a loaded value)
         q_rows = [as_k(plgpu.load(q_ref.at[b, kv * g + gi, cols], mask=col_ok[0], other=0))
@@ -77,7 +81,8 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref
 
     def tile(ref, rows, ok):
         mask = ok[:, None] if h_pad == h else ok[:, None] & col_ok
-        return plgpu.load(ref.at[b, rows, kv, cols], mask=mask, other=0).astype(_F32)
+        return plgpu.load(ref.at[b, rows[:, None], kv, cols[None, :]], mask=mask,
+                          other=0).astype(_F32)
 
     def update(m, l, acc, scores, v):
         """One online-softmax step for one head ([block_k] scores, m, l [1], acc [h_pad])
@@ -100,9 +105,8 @@ def _decode_attention_kernel(pos_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref
             row0 = start + j * block_k
             rows_idx = row0 + row_iota
             ok = (rows_idx <= pos) & (rows_idx < s)
-            rows = pl.ds(row0, block_k)
-            k = tile(k_ref, rows, ok)
-            v = tile(v_ref, rows, ok)
+            k = tile(k_ref, rows_idx, ok)
+            v = tile(v_ref, rows_idx, ok)
             if use_dot:
                 m, l, acc = carry
                 scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
@@ -231,25 +235,28 @@ def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, chunks: int, c_pad: int, 
     the chunks, the weighted sums, the division)."""
     b = pl.program_id(0)
     kv = pl.program_id(1)
-    chunk_ok = jax.lax.broadcasted_iota(jnp.int32, (c_pad,), 0) < chunks
-    head = jax.lax.broadcasted_iota(jnp.int32, (g_pad,), 0)
-    col_ok = jax.lax.broadcasted_iota(jnp.int32, (h_pad,), 0) < h
-    m = plgpu.load(m_ref.at[b, kv, pl.ds(0, c_pad), pl.ds(0, g_pad)],
+    # Index vectors, not ``pl.ds(0, c_pad)`` and ``pl.ds(0, h)``: past C and H (masked) the
+    # static slices are rejected at trace time by jax >= 0.12 (``common.block_range``).
+    chunk = block_range(0, c_pad)
+    chunk_ok = chunk < chunks
+    head = block_range(0, g_pad)
+    cols = block_range(0, h_pad)
+    col_ok = cols < h
+    m = plgpu.load(m_ref.at[b, kv, chunk[:, None], head[None, :]],
                    mask=chunk_ok[:, None], other=-jnp.inf)
-    l = plgpu.load(l_ref.at[b, kv, pl.ds(0, c_pad), pl.ds(0, g_pad)],
+    l = plgpu.load(l_ref.at[b, kv, chunk[:, None], head[None, :]],
                    mask=chunk_ok[:, None], other=0.0)
     m_max = jnp.max(m, axis=0)
     m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
     w = jnp.exp(m - m_max[None, :])  # [c_pad, g_pad]; 0 for neutral and padded chunks
     l_sum = jnp.sum(w * l, axis=0)  # [g_pad]
     for gi in range(g):  # one [h_pad] row per head (Triton cannot slice a loaded value)
-        acc = plgpu.load(acc_ref.at[b, kv, pl.ds(0, c_pad), jnp.int32(gi), pl.ds(0, h_pad)],
+        acc = plgpu.load(acc_ref.at[b, kv, chunk[:, None], jnp.int32(gi), cols[None, :]],
                          mask=chunk_ok[:, None], other=0.0)  # [c_pad, h_pad]
         w_g = jnp.sum(jnp.where(head[None, :] == gi, w, 0.0), axis=1)  # column gi of w
         l_g = jnp.sum(jnp.where(head == gi, l_sum, 0.0))
         out = jnp.sum(w_g[:, None] * acc, axis=0) / l_g
-        plgpu.store(out_ref.at[b, kv * g + gi, pl.ds(0, h_pad)], out.astype(out_ref.dtype),
-                    mask=col_ok)
+        plgpu.store(out_ref.at[b, kv * g + gi, cols], out.astype(out_ref.dtype), mask=col_ok)
 
 
 def combine_partials_kernel(m: jax.Array, l: jax.Array, acc: jax.Array, *, g: int, h: int,

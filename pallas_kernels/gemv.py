@@ -41,8 +41,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (check_config, finish_partial_sums, next_pow2,
-                                   resolve_interpret)
+from pallas_kernels.common import (block_range, check_config, finish_partial_sums,
+                                   next_pow2, resolve_interpret)
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MAX_ROWS = 64  # the x rows are one tile; more rows want a GEMM, not this kernel
@@ -79,7 +79,11 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
     o_ref = refs[-1]
     j = pl.program_id(0)
     s = pl.program_id(1)
-    row_ok = jax.lax.broadcasted_iota(jnp.int32, (m_pad,), 0) < m
+    # The rows [0, m_pad) of x and of the output as index vectors, not ``pl.ds(0, m_pad)``:
+    # past row M (masked) the static slice is rejected at trace time by jax >= 0.12
+    # (``common.block_range``). The interpreter takes index vectors only if every axis is one.
+    rows = block_range(0, m_pad)[:, None]  # [m_pad, 1]
+    row_ok = rows < m
     k_lane = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     k_first = s * (steps * block_k)
 
@@ -91,7 +95,7 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
 
         def step(i, acc):
             k0 = k_first + i * block_k
-            x_mask = row_ok[:, None]
+            x_mask = row_ok
             w_mask = None
             if mask_k:
                 k_ok = (k0 + k_lane) < d
@@ -101,22 +105,21 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
                 w_mask = col_ok[None, :] if w_mask is None else w_mask & col_ok[None, :]
             if m_pad == m and not mask_k:
                 x_mask = None
-            xk = _load(x_ref.at[pl.ds(0, m_pad), pl.ds(k0, block_k)], x_mask)
+            xk = _load(x_ref.at[rows, (k0 + k_lane)[None, :]], x_mask)
             wk = _load(w_ref.at[pl.ds(k0, block_k), pl.ds(col0, block_f)], w_mask)
             return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32,
                                  precision=precision)
 
         acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((m_pad, block_f), jnp.float32))
-        out_mask = row_ok[:, None] & col_ok[None, :] if (m_pad != m or mask_f) else None
-        out_cols = pl.ds(out_col0 + col0, block_f)
+        out_mask = row_ok & col_ok[None, :] if (m_pad != m or mask_f) else None
+        out_cols = (out_col0 + cols)[None, :]
         if fused:
             if has_bias:
                 bias = _load(b_ref.at[pl.ds(col0, block_f)], col_ok if mask_f else None)
                 acc = acc + bias.astype(jnp.float32)[None, :]
-            plgpu.store(o_ref.at[pl.ds(0, m_pad), out_cols], acc.astype(o_ref.dtype),
-                        mask=out_mask)
+            plgpu.store(o_ref.at[rows, out_cols], acc.astype(o_ref.dtype), mask=out_mask)
         else:
-            plgpu.store(o_ref.at[s, pl.ds(0, m_pad), out_cols], acc, mask=out_mask)
+            plgpu.store(o_ref.at[s, rows, out_cols], acc, mask=out_mask)
 
     if n_w == 1:
         first_block, _, f, out_col0 = weights[0]

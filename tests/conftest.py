@@ -1,4 +1,9 @@
-"""Settings for every test."""
+"""Settings for every test.
+
+pytest imports this file before any test module, so the environment set here is in place before
+the first ``import jax`` (in this process and in every xdist worker, each of which imports it
+first too) and is inherited by the subprocesses the tests start (they copy ``os.environ``).
+"""
 
 import os
 
@@ -6,3 +11,11 @@ import os
 # (twell_jax/cli.py, --compile-cache); tests that run them in-process leave the user's
 # cache alone. test_train checks the cache itself, in a subprocess.
 os.environ["TWELL_COMPILE_CACHE"] = ""
+
+# GPU machines: the xdist workers (pyproject's "-n 2") share one GPU, and by default each JAX
+# process preallocates 75% of its memory, so the second worker runs out of memory
+# (CUDA_ERROR_OUT_OF_MEMORY in tests/test_hf_transformers.py). Without preallocation each worker
+# takes what it uses: the tests' arrays are small, and no test has to fit a fixed share. (A
+# per-worker XLA_PYTHON_CLIENT_MEM_FRACTION would tie the share to the worker count and still
+# reserve memory no test needs.) setdefault: a user's own setting stands. No effect on the CPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

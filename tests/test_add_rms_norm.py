@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference
 from pallas_kernels.common import finish_partial_sums
-from tests.utils import assert_close, seed_of
+from tests.utils import assert_close, seed_of, slow
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 EPS = 1e-6
@@ -36,7 +36,7 @@ def make_inputs(m, d, dtype, delta_kind, rng):
 
 
 @pytest.mark.parametrize("delta_kind", ["none", "output", "partials"])
-@pytest.mark.parametrize("m, d", [(1, 2048), (5, 200), (64, 64)])  # 200: a masked, ragged D
+@pytest.mark.parametrize("m, d", [slow(1, 2048), (5, 200), slow(64, 64)])  # 200: a masked, ragged D
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_matches_numpy_and_reference(m, d, dtype, delta_kind):
     rng = np.random.default_rng(seed_of("add_rms_norm", m, d, str(dtype), delta_kind))

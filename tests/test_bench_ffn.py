@@ -46,6 +46,7 @@ def test_smoke_case_runs_checks_and_times_every_variant(bench, tmp_path):
     assert timed["xla dense FFN"]["speedup_vs_xla"] == 1.0
 
 
+@pytest.mark.slow  # ~5 min on 2 cores: the smoke suite with every backward, then decode sizes
 def test_float32_master_weights(bench, tmp_path, monkeypatch):
     """--weights-dtype float32: the FFNs get float32 weights (as the models hold them), with
     --backward every gradient checked against the float32 reference before timing, and at

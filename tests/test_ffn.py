@@ -13,7 +13,7 @@ from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from twell_jax import ffn
 from tests.utils import (PATTERNS, assert_close, dense_ffn_f32, ffn_float64,
-                         make_ffn_inputs, seed_of)
+                         make_ffn_inputs, seed_of, slow, slow_unless)
 
 SPARSE_IMPLS = ("reference", "pallas")
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -26,6 +26,10 @@ M, D, F = 42, 72, 200
 CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=1.0,
                         max_row_density=1.0, decode_rows=0)
 DECODE = dataclasses.replace(CONFIG, decode_rows=M)
+# The fast tier keeps one pattern (and mostly the gated form) of each parametrization below; the
+# others are marked slow (tests/utils.py: slow_unless). Every implementation and dtype stays.
+HEAVY_ONLY = slow_unless(["heavy_tailed"], PATTERNS)
+GATED_ONLY = [True, slow(False)]
 
 
 def _call(gated, x, weights, **kwargs):
@@ -34,7 +38,7 @@ def _call(gated, x, weights, **kwargs):
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("pattern", HEAVY_ONLY)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
 def test_forward_matches_float64(implementation, dtype, pattern, gated):
@@ -53,10 +57,10 @@ def test_forward_matches_float64(implementation, dtype, pattern, gated):
         assert 0 < float(stats.nnz_mean) < 0.2 * F
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
+@pytest.mark.parametrize("pattern", slow_unless(["uniform"], PATTERNS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+@pytest.mark.parametrize("implementation", [slow("reference"), "pallas"])
 def test_decode_path_matches_float64_and_the_list_path(implementation, dtype, pattern, gated):
     """At most ``decode_rows`` rows, not differentiated: the list-free decode path. Same result
     (to float64) and the same statistics as the list path, heavy and dense rows included."""
@@ -77,9 +81,10 @@ def test_decode_path_matches_float64_and_the_list_path(implementation, dtype, pa
     assert_close(y, y_lists.astype(jnp.float32), dtype, what="decode vs lists")
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
+@pytest.mark.parametrize("pattern", HEAVY_ONLY)
+@pytest.mark.parametrize("dtype", [slow(jnp.float32), jnp.bfloat16],
+                         ids=lambda d: jnp.dtype(d).name)
 def test_decode_path_runs_the_gate_on_gemv(dtype, pattern, gated):
     """Up to ``gemv.MAX_ROWS`` rows the "pallas" decode path computes the gate product on the
     GEMV kernel: a few rows against float64 and the list path (the pattern's busiest rows,
@@ -169,8 +174,8 @@ def test_three_d_input_and_stats(implementation):
     assert int(stats.heavy_rows) == int((tiles > 4).any(1).sum())
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-@pytest.mark.parametrize("pattern", ["uniform", "heavy_tailed", "dense_rows"])
+@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
+@pytest.mark.parametrize("pattern", [slow("uniform"), "heavy_tailed", slow("dense_rows")])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS)
 def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
@@ -196,7 +201,7 @@ def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
         assert_close(got, want, dtype, kind="grad", what=f"{implementation} {name}")
 
 
-@pytest.mark.parametrize("route", ["lists", "lists_and_backup", "dense"])
+@pytest.mark.parametrize("route", [slow("lists"), "lists_and_backup", slow("dense")])
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
 def test_float32_master_weights_with_bfloat16_activations(implementation, route):
     """Float32 weights, bf16 x (a model's master weights): the op computes with the weights
@@ -239,8 +244,8 @@ def test_float32_master_weights_with_bfloat16_activations(implementation, route)
             assert np.mean(got[nonzero] != as_bf16[nonzero]) > 0.5, name
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-@pytest.mark.parametrize("pattern", ["uniform", "heavy_tailed", "zero_rows"])
+@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
+@pytest.mark.parametrize("pattern", [slow("uniform"), "heavy_tailed", slow("zero_rows")])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
 def test_gate_bias_forward_and_gradients(implementation, dtype, pattern, gated):
@@ -356,7 +361,7 @@ def test_more_than_half_the_rows_heavy_goes_dense(implementation):
         assert_close(y, ffn_float64(xs, *weights)[0], jnp.float32, what=f"{rows} rows")
 
 
-@pytest.mark.parametrize("route", ["lists_and_backup", "overflow_dense", "density_dense"])
+@pytest.mark.parametrize("route", ["lists_and_backup", slow("overflow_dense"), "density_dense"])
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS)
 def test_gradients_on_every_route(implementation, route):
     """The backward takes the forward's branch (one ``lax.switch`` each way): the backup at
@@ -560,8 +565,8 @@ CAPPED = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=
                         decode_rows=0)
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-@pytest.mark.parametrize("capacity", [None, 3], ids=["buckets", "fixed_capacity"])
+@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
+@pytest.mark.parametrize("capacity", [None, slow(3)], ids=["buckets", "fixed_capacity"])
 def test_mostly_heavy_batch_skips_the_lists_and_stays_exact(gated, capacity):
     """A batch whose rows are mostly over the row cap goes dense without being listed
     ("pallas": ``row_pack`` returns at once); its output, gradients and statistics are those

@@ -13,7 +13,7 @@ import pytest
 from pallas_kernels.gemv import (GemvConfig, default_gemv_config, finish_partial_sums, gemv,
                                  gemv_many, gemv_partial_sums, gemv_reference)
 from twell_jax import dense
-from tests.utils import assert_close, seed_of
+from tests.utils import assert_close, seed_of, slow
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 THRESHOLD = 1.645  # P(N(0, 1) > 1.645) = 5%: most pre-activations negative, as a gate's are
@@ -40,13 +40,14 @@ def numpy_gate(x, w, b) -> np.ndarray:
 # D and F are never multiples of the blocks here: the last column block and D step are masked.
 # Configs cover one and several D splits (an uneven split count too), 16-row steps, and the
 # default.
+# Fast tier: one row with D splits and 17 rows with one split; the others are marked slow.
 CASES = [
     (1, 96, 200, GemvConfig(block_f=64, block_k=32, k_splits=2, num_warps=1)),
-    (3, 320, 600, None),
-    (8, 200, 300, GemvConfig(block_f=128, block_k=16, k_splits=5)),
-    (8, 160, 250, GemvConfig(block_f=64, block_k=32, num_stages=1)),
+    slow(3, 320, 600, None),
+    slow(8, 200, 300, GemvConfig(block_f=128, block_k=16, k_splits=5)),
+    slow(8, 160, 250, GemvConfig(block_f=64, block_k=32, num_stages=1)),
     (17, 320, 600, GemvConfig(block_f=128, block_k=64, k_splits=1)),
-    (64, 96, 200, GemvConfig(block_f=64, block_k=32, k_splits=2)),
+    slow(64, 96, 200, GemvConfig(block_f=64, block_k=32, k_splits=2)),
 ]
 
 
@@ -131,8 +132,8 @@ def test_gemv_nan_propagates(config):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [
     None,
-    GemvConfig(block_f=64, block_k=32, k_splits=3),
-    GemvConfig(block_f=32, block_k=32, k_splits=1),
+    slow(GemvConfig(block_f=64, block_k=32, k_splits=3)),
+    slow(GemvConfig(block_f=32, block_k=32, k_splits=1)),
 ], ids=["default", "split_sum", "dot_fused"])
 def test_gemv_many_matches_numpy_and_one_at_a_time(config, dtype):
     """Three weights of two widths (q, and grouped k and v), none a multiple of the block,

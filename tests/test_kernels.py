@@ -16,7 +16,7 @@ from pallas_kernels.common import default_interpret
 from pallas_kernels.row_backward import (row_backward, row_backward_reference, row_dx,
                                          row_entry_grads)
 from pallas_kernels.row_up_down import RowUpDownConfig
-from tests.utils import assert_close, seed_of
+from tests.utils import assert_close, seed_of, slow
 
 INTERPRET = default_interpret()
 
@@ -73,7 +73,7 @@ def numpy_row_backward(dy, w_down, w_up_t, w_gate_t, gate, up, columns, row_nnz,
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("m,d,f,k,config", [
-    (16, 64, 256, 8, None),
+    slow(16, 64, 256, 8, None),
     (21, 192, 300, 13, RowUpDownConfig(block_d=64, num_warps=2)),  # 3 chunks, awkward sizes
 ])
 def test_row_backward_matches_numpy_and_reference(m, d, f, k, config, gated, dtype):

@@ -139,7 +139,9 @@ def _set_gate_biases(model, seed):
         block.ffn.b_gate[...] = -jnp.abs(jax.random.normal(key, block.ffn.b_gate[...].shape))
 
 
-@pytest.mark.parametrize("gate_bias", [False, True], ids=["no_bias", "gate_bias"])
+# Fast tier: no bias (test_gate_bias_params_features_and_activity covers the bias); with it: slow.
+@pytest.mark.parametrize("gate_bias", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["no_bias", "gate_bias"])
 def test_implementations_agree_f32_grads(gate_bias):
     """float32 loss and gradients of the sparse paths equal the dense model's to ~1e-6 (in bf16
     the dense model's own gradients are ~5% off float32, too loose a check)."""

@@ -176,8 +176,10 @@ AGREEMENT_CASES = [
     pytest.param(kind, dtype, 42, 24, 431, 0.03, id=f"sparse-awkward-{kind}-{dtype_id}")
     for kind in LAYERS for dtype, dtype_id in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16"))
 ] + [
-    pytest.param("gated", jnp.bfloat16, 64, 32, 256, None, id="dense-init-gated-bf16"),
-    pytest.param("plain", jnp.float32, 64, 32, 256, None, id="dense-init-plain-f32"),
+    pytest.param("gated", jnp.bfloat16, 64, 32, 256, None, id="dense-init-gated-bf16",
+                 marks=pytest.mark.slow),
+    pytest.param("plain", jnp.float32, 64, 32, 256, None, id="dense-init-plain-f32",
+                 marks=pytest.mark.slow),
 ]
 
 

@@ -51,6 +51,7 @@ def test_every_program_reported(prof, tmp_path, capsys):
     assert "tiny decode pallas (per step)" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a second profile_kernels run (test_every_program_reported is the smoke run)
 def test_ffn_programs_reported_with_sources(prof, tmp_path):
     """``--ffn``: one FFN layer alone, forward and forward + backward, for each implementation;
     with no GPU the kernel tables are empty, so the source names are checked on the CPU HLO."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.row_pack import RowPackConfig, row_pack, row_pack_reference
 from pallas_kernels.row_up_down import RowUpDownConfig, row_up_down, row_up_down_reference
-from tests.utils import assert_close, seed_of
+from tests.utils import assert_close, seed_of, slow
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 
@@ -53,9 +53,9 @@ def numpy_pack(pre: np.ndarray, tile_width: int, num_slots: int):
 @pytest.mark.parametrize("pattern", ["uniform", "heavy"])
 @pytest.mark.parametrize("m,f,t,k,config", [
     (6, 256, 64, 12, RowPackConfig(tiles_per_chunk=2, num_warps=1)),
-    (16, 384, 128, 20, None),  # 3 chunks of one tile
-    (12, 512, 32, 7, RowPackConfig(tiles_per_chunk=8, num_warps=2, num_stages=1)),
-    (5, 128, 16, 9, None),  # 16-bit masks
+    slow(16, 384, 128, 20, None),  # 3 chunks of one tile
+    slow(12, 512, 32, 7, RowPackConfig(tiles_per_chunk=8, num_warps=2, num_stages=1)),
+    slow(5, 128, 16, 9, None),  # 16-bit masks
 ])
 def test_row_pack_matches_numpy_and_reference(m, f, t, k, config, pattern, dtype):
     rng = np.random.default_rng(seed_of("row_pack", m, f, t, k, pattern, str(dtype)))
@@ -159,10 +159,10 @@ def numpy_up_down(x, w_up_t, w_down, gate, columns, row_nnz, gated: bool):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("m,d,f,k,config", [
-    (8, 64, 96, 5, None),
+    slow(8, 64, 96, 5, None),
     (13, 192, 200, 17, None),  # D = 3 chunks of 64, awkward M, F, K
-    (6, 256, 64, 9, RowUpDownConfig(block_d=128, num_warps=2, num_stages=2)),
-    (13, 192, 200, 17, RowUpDownConfig(block_d=64)),
+    slow(6, 256, 64, 9, RowUpDownConfig(block_d=128, num_warps=2, num_stages=2)),
+    slow(13, 192, 200, 17, RowUpDownConfig(block_d=64)),
 ])
 def test_row_up_down_matches_numpy_and_reference(m, d, f, k, config, gated, dtype):
     rng = np.random.default_rng(seed_of("row_up_down", m, d, f, k, gated, str(dtype)))

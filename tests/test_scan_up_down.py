@@ -13,7 +13,7 @@ from pallas_kernels.scan_up_down import (EARLY_DOWN_MAX_GROUP, GatePartials, Sca
                                          default_scan_up_down_config, scan_up_down,
                                          scan_up_down_partial_sums, scan_up_down_reference)
 from tests.test_row_kernels import make_pre
-from tests.utils import assert_close, seed_of
+from tests.utils import assert_close, seed_of, slow
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 
@@ -48,8 +48,8 @@ def make_inputs(m, d, f, pattern, dtype, rng):
 @pytest.mark.parametrize("pattern", ["uniform", "heavy"])
 @pytest.mark.parametrize("m,d,f,config", [
     (5, 64, 256, ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1)),
-    (8, 128, 300, None),  # F not a multiple of the slice: the last slice is masked
-    (6, 64, 384, ScanUpDownConfig(block_f=512, scan_width=128, block_d=64, num_warps=2)),
+    slow(8, 128, 300, None),  # F not a multiple of the slice: the last slice is masked
+    slow(6, 64, 384, ScanUpDownConfig(block_f=512, scan_width=128, block_d=64, num_warps=2)),
 ])
 def test_scan_up_down_matches_numpy_and_reference(m, d, f, config, pattern, gated, dtype):
     rng = np.random.default_rng(seed_of("scan_up_down", m, d, f, pattern, gated, str(dtype)))
@@ -105,7 +105,7 @@ def test_dense_chunks_equal_unit_groups(gated):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-@pytest.mark.parametrize("splits,bias", [(3, True), (1, True), (2, False)])
+@pytest.mark.parametrize("splits,bias", [(3, True), slow(1, True), slow(2, False)])
 def test_scan_reads_the_gemv_partial_sums(splits, bias, gated, dtype):
     """The gate as the GEMV's unsummed partial sums (the decode path): the same y and l1 as
     the kernel on the finished pre-activation, and against numpy on that pre-activation; the

@@ -80,7 +80,10 @@ def test_every_parameter_has_logical_axes():
 # In subprocesses with fake devices.
 
 
-@pytest.mark.parametrize("implementation", ["xla", "reference", "pallas"])
+# Fast tier: the reference implementation (the sparse lists, sharded); the others are slow.
+@pytest.mark.parametrize("implementation", [pytest.param("xla", marks=pytest.mark.slow),
+                                            "reference",
+                                            pytest.param("pallas", marks=pytest.mark.slow)])
 def test_step_on_2x2_mesh_matches_one_device(implementation):
     task = {"task": "step", "mesh": "data=2,fsdp=2", "implementations": [implementation]}
     result = run_worker(task, 4)

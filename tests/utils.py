@@ -11,6 +11,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 
@@ -34,6 +35,18 @@ TOLERANCES = {
 }
 
 PATTERNS = ("uniform", "heavy_tailed", "zero_rows", "dense_rows")
+
+
+def slow(*values, **kwargs):
+    """One parametrization case marked slow: left out of the default (fast) run, which keeps
+    a representative case of the same parametrization; ``pytest tests -m slow`` runs it.
+    Same test id as the bare value(s)."""
+    return pytest.param(*values, marks=pytest.mark.slow, **kwargs)
+
+
+def slow_unless(keep, values):
+    """``values`` for a parametrization, those not in ``keep`` marked slow."""
+    return [v if v in keep else slow(v) for v in values]
 
 
 def seed_of(*parts) -> int:
