@@ -53,7 +53,8 @@ from pallas_kernels.row_up_down import row_up_down
 from pallas_kernels.sparse_outer import sparse_outer
 from pallas_kernels.scan_up_down import scan_up_down
 from twell_jax.format import heavy_rows, mask_lists
-from twell_jax.benchmarking.ffn_cases import (CASES, Case, SUITES, flax_dense_mlp, make_case_inputs, rel_error_float64, sparsity_stats, time_ms)
+from twell_jax.benchmarking.ffn_cases import (CASES, Case, SUITES, flax_dense_mlp, make_case_inputs,
+                                              rel_error_float64, sparsity_stats, time_ms)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,7 +53,11 @@ from twell_jax import cli
 from twell_jax import model as model_lib
 from twell_jax.backends import Implementation
 from twell_jax.benchmarking.power import PowerSampler
-from twell_jax.benchmarking.model_bench import (BenchConfig, MEASURED, adamw_step, build_model, compile_timed, compiled_bytes, device_bytes_limit, jit_over_state, last_logits, layer_statistics, parse_shapes, peak_bytes, time_call, timing_optimizer, token_batch, worker_calibrate)
+from twell_jax.benchmarking.model_bench import (BenchConfig, MEASURED, adamw_step, build_model,
+                                                compile_timed, compiled_bytes, device_bytes_limit,
+                                                jit_over_state, last_logits, layer_statistics,
+                                                parse_shapes, peak_bytes, time_call,
+                                                timing_optimizer, token_batch, worker_calibrate)
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:

@@ -90,7 +90,8 @@ from twell_jax.cli import flag, flag_parser
 from twell_jax import model as model_lib
 from twell_jax import sharding
 from twell_jax.backends import IMPLEMENTATIONS
-from twell_jax.data import (Corpus, EVAL_STREAM, TRAIN_STREAM, load_corpus, make_tokenizer, sample_batch)
+from twell_jax.data import (Corpus, EVAL_STREAM, TRAIN_STREAM, load_corpus, make_tokenizer,
+                            sample_batch)
 from twell_jax.checkpoints import (checkpoint_manager, restore_checkpoint, save_checkpoint)
 
 

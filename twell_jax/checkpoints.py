@@ -1,4 +1,5 @@
-"""Orbax checkpoints of a model and its optimizer: the newest two kept, written atomically, restored onto the arrays' current placement."""
+"""Orbax checkpoints of a model and its optimizer: the newest two kept, written atomically,
+restored onto the arrays' current placement."""
 
 from __future__ import annotations
 

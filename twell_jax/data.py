@@ -1,4 +1,6 @@
-"""Training data: tokenizers (bytes or a Hugging Face tokenizer.json), a corpus of text files or token arrays split into train and held-out streams by a hash of each path, and batches that are a pure function of (seed, stream, step)."""
+"""Training data: tokenizers (bytes or a Hugging Face tokenizer.json), a corpus of text files or
+token arrays split into train and held-out streams by a hash of each path, and batches that are
+a pure function of (seed, stream, step)."""
 
 from __future__ import annotations
 
