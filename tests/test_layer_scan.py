@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.utils import slow
 from twell_jax import model as model_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +61,7 @@ def loss_and_grads(model, tokens, loop: bool):
     return loss, metrics, grads
 
 
-@pytest.mark.parametrize("implementation,remat", [("pallas", True), ("reference", False),
+@pytest.mark.parametrize("implementation,remat", [("pallas", True), slow("reference", False),
                                                   ("xla", True)])
 def test_scan_equals_the_loop_in_float32(implementation, remat):
     model = model_lib.build("tiny", implementation=implementation, remat=remat, seed=3,
@@ -130,6 +131,7 @@ def test_each_kernel_is_traced_once_whatever_the_depth(monkeypatch):
     assert kernels(4) == 4 * one
 
 
+@pytest.mark.slow  # a subprocess; the float32 comparisons stay in the fast tier
 @pytest.mark.skipif(not ON_CPU, reason="GPU programs may be tuned to different GEMM algorithms")
 def test_scan_equals_the_loop_bitwise_in_bf16_without_excess_precision():
     script = textwrap.dedent("""

@@ -121,6 +121,7 @@ def test_step_on_2x2_mesh_matches_one_device(implementation):
     assert r["param_rel_diff"] < 5e-3, r["param_rel_diff"]
 
 
+@pytest.mark.slow  # exact resume stays in the fast tier in test_train
 def test_checkpoints_resume_and_move_between_device_counts(tmp_path):
     task = {"full": str(tmp_path / "full"), "split": str(tmp_path / "split"),
             "npz": str(tmp_path / "state.npz")}

@@ -181,6 +181,7 @@ def test_exact_resume(train, text_dir, tmp_path):
     assert a[-1]["loss"] < a[0]["loss"]
 
 
+@pytest.mark.slow  # a second training subprocess
 def test_compile_cache_keeps_the_compiled_step(tmp_path):
     """--compile-cache DIR: the run leaves its compiled training step in DIR (JAX's persistent
     cache), which a rerun or --resume loads instead of compiling. A fresh process, as the
