@@ -188,8 +188,7 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     # Both FFN rows compute y alone, as a plain Flax MLP does: the ratio compares like with
     # like. The statistics are timed beside them, on both paths: they cost a pass over the
     # [M, F] activity on the dense path, and on the sparse one where it made no lists
-    # (0.12-0.19 ms at 2% uniform on the H100). Until 2026-11-26 the sparse
-    # row returned them and the dense one did not.
+    # (0.12-0.19 ms at 2% uniform on the H100).
     ffn = lambda implementation, stats: jax.jit(lambda *a: tj.gated_mlp(
         *a, implementation=implementation, config=config, return_stats=stats))
     weights = op_weights(args, w_gate, w_up, w_down)

@@ -215,9 +215,9 @@ def time_ms(fn: Callable, *args, runs: int, min_batch_ms: float) -> dict:
     queued back to back and synchronised once, of the batch's time / ``calls``. ``calls`` makes
     a batch last at least ``min_batch_ms``, so the host's dispatch of one call overlaps the
     GPU's work on the one before, as a layer in a model overlaps the previous layer's. With
-    one or two calls a batch (the default before 2026-11-25) the time also held the host's
-    dispatch: ~0.7 ms for the sparse FFN at M = 16384, whose route switch XLA re-records in its
-    command buffer at every call. ``latency_ms``: the median time of
+    one or two calls a batch the time would also hold the host's dispatch: ~0.7 ms for the
+    sparse FFN at M = 16384, whose route switch XLA re-records in its command buffer at every
+    call. ``latency_ms``: the median time of
     single synchronised calls, dispatch included (what a lone call makes the caller wait)."""
     jax.block_until_ready(fn(*args))  # compile
     jax.block_until_ready(fn(*args))  # warm up
