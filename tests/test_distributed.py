@@ -88,7 +88,6 @@ def losses(out: pathlib.Path) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
-@pytest.mark.slow  # 4 launches of 2 processes and one of 1 on 2 cores: minutes of compiling
 def test_two_processes_train_like_one_and_survive_a_dead_peer(tmp_path):
     texts = tmp_path / "texts"
     texts.mkdir()

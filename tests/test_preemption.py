@@ -110,7 +110,6 @@ def assert_same_run(out: pathlib.Path, reference: pathlib.Path) -> None:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
-@pytest.mark.slow  # 5 processes of ~20 s on 2 cores (start, tracing, checkpoints)
 def test_sigkill_at_three_random_points_then_resume_matches(setup):
     out = setup["root"] / "chaos"
     rng = np.random.default_rng(1234)
