@@ -3,7 +3,8 @@ parameters.
 
 Why: in a Python loop every block is traced, and every Pallas kernel compiled, once per layer,
 so the compile time grows with the depth (H100: the 1.5b sparse training step compiled in 137 s
-against the dense model's 22 s; under the scan in 17-22 s against 13 s). Under one scan each kernel is compiled once whatever the depth.
+against the dense model's 22 s; under the scan in 17-22 s against 13 s). Under one scan each
+kernel is compiled once whatever the depth.
 
 The parameters stay stored per block (``Transformer.blocks``, as checkpoints and Hugging Face
 folders hold them); each call stacks them along a new leading layer axis. Matrices are stacked
@@ -78,9 +79,9 @@ SCAN_MIN_TOKENS = 4096
 Stacking costs a pass over every parameter per call, and inside the scan each layer's slice
 of the stack is copied before the kernels read it. A call with many tokens pays that back
 (H100, 1.5b, 8 x 2048 tokens: prefill 1-5% faster than the loop, a training step 2-4%
-slower, its compile 6-8x faster), but a
-call with a few tokens is bound by reading the weights (H100, 1.5b, one token: 12.6 ms under
-the scan against 5.3 ms in the loop). Such calls compile once per layer, as before."""
+slower, its compile 6-8x faster), but a call with a few tokens is bound by reading the
+weights (H100, 1.5b, one token: 12.6 ms under the scan against 5.3 ms in the loop). Such calls
+compile once per layer, as before."""
 
 
 def run_blocks(model: nnx.Module, blocks: Sequence[Block], cfg: ModelConfig, step: Callable,
