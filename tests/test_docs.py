@@ -6,7 +6,8 @@ repository or at numbered experiment runs.
 (b) No comment or docstring in the library code cites an experiment run by number (the word
     "run" or "runs", then a number): the dated log under benchmarks/ holds that history, and
     code states the reason itself.
-(c) README.md and docs/ do not mention files outside the repository.
+(c) Every relative link in README.md and docs/ resolves to a file or folder inside the
+    repository, and every Markdown file they name in backticks exists in it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ CODE_DIRS = [ROOT / "twell_jax", ROOT / "pallas_kernels"]
 
 _FENCE = re.compile(r"^```python runnable[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 _RUN_CITATION = re.compile(r"\bruns? \d+", re.IGNORECASE)
-_OUTSIDE = ("DESIGN.md", "../shared")
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+_MARKDOWN_NAME = re.compile(r"`([\w./-]+\.md)`")
 
 
 def runnable_blocks() -> list[tuple[str, str]]:
@@ -64,5 +66,16 @@ def test_no_run_citations_in_library_code():
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_docs_reference_nothing_outside_the_repository(path):
     text = path.read_text()
-    found = [name for name in _OUTSIDE if name in text]
-    assert not found, f"{path.relative_to(ROOT)} mentions {found}"
+    bad = []
+    for target in _LINK.findall(text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        resolved = (path.parent / target).resolve()
+        if not resolved.is_relative_to(ROOT) or not resolved.exists():
+            bad.append(f"link {target}")
+    markdown_files = {p.name for p in ROOT.rglob("*.md") if ".venv" not in p.parts}
+    for name in _MARKDOWN_NAME.findall(text):
+        if not ((path.parent / name).exists() or (ROOT / name).exists()
+                or Path(name).name in markdown_files):
+            bad.append(f"file {name}")
+    assert not bad, f"{path.relative_to(ROOT)} points outside the repository: {bad}"
