@@ -21,7 +21,8 @@ The implementations are the backends of ``twell_jax.backends``, looked up by nam
 Calls of at most ``TwELLConfig.decode_rows`` token rows that are not differentiated (decode
 steps) skip the lists: the backend's ``decode`` runs the gate product and one kernel that walks
 each row's active units (``pallas_kernels.scan_up_down``), exact for every row whatever its
-count.
+count. Differentiated, such calls run the dense function with plain autodiff where the cost
+model says the sparse path's fixed cost exceeds the dense FFN (``path_for``).
 
 The L1 statistic (``stats.l1``) is differentiable on every path: its gradient is folded into
 the sparse backward, so ``loss + coeff * stats.l1`` trains the L1 penalty at no dense cost.
@@ -30,14 +31,14 @@ the sparse backward, so ``loss + coeff * stats.l1`` trains the L1 penalty at no 
 from __future__ import annotations
 
 import functools
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.common import default_interpret
-from twell_jax import backends
+from twell_jax import backends, xla_flags
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Backend, Implementation, RowLists
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 from twell_jax.dense import gate_pre_activation
@@ -342,11 +343,32 @@ def _dense_forward(x, weights, bias, gated, pre, up_slots: int, counted, config=
     return y, jnp.sum(l1_rows), jnp.zeros((x.shape[0], up_slots), _F32), counted
 
 
+class _DenseVJP(NamedTuple):
+    """The residuals of a differentiated call that runs the dense function: autodiff's own
+    (``jax.vjp``'s pullback, a pytree of the saved arrays), so the backward recomputes nothing."""
+    pullback: Callable
+
+
+def _dense_forward_for_grad(x, params, bias, gated, config):
+    """The dense function with autodiff's residuals: ((y [M, D], FFNStats), ``_DenseVJP``)."""
+    def fn(xx, pp, bb):
+        y, l1_rows, active = _dense_rows(xx, _compute_weights(xx, pp), bb, gated)
+        return (y, l1_rows), active
+
+    (y, l1_rows), pullback, active = jax.vjp(fn, x, params, bias, has_aux=True)
+    stats = _stats_from_active(active, l1_rows, config)._replace(dense_fallback=jnp.asarray(True))
+    return (y, stats), _DenseVJP(pullback)
+
+
 def _twell_forward(x, params, bias, gated, implementation, config):
     backend = backends.get(implementation)
-    weights = _compute_weights(x, params)
     m = x.shape[0]
-    f = weights[0].shape[1]
+    f = params[0].shape[1]
+    # A differentiated decode-sized call (the primal took the decode path): where the sparse
+    # path's fixed cost exceeds the dense FFN, the dense function and its plain autodiff.
+    if _static_dense(backend, m, x.shape[1], f, x.dtype, config, differentiated=True):
+        return _dense_forward_for_grad(x, params, bias, gated, config)
+    weights = _compute_weights(x, params)
     lists, counts, pre, skipped = backend.pack(x, weights[0], bias, config)
     if skipped is not None:  # nothing listed: the counts are unspecified
         counts = jnp.where(skipped, 0, counts)
@@ -479,6 +501,9 @@ def _dense_backward(gated: bool, r: _Residuals, dy, l1_ct):
 
 def _twell_backward(gated, implementation, config, residuals: _Residuals, cotangents):
     dy, stats_ct = cotangents
+    if isinstance(residuals, _DenseVJP):
+        m = dy.shape[0]
+        return residuals.pullback((dy, jnp.full((m,), stats_ct.l1.astype(_F32) / m)))
     r = residuals
     backend = backends.get(implementation)
     l1_ct = stats_ct.l1.astype(_F32) / r.x.shape[0]  # d(l1)/dh = sign(h) / M
@@ -511,6 +536,35 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     return jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
 
 
+def _decode_dense_switch(backend: Backend, x, weights, gated, config: TwELLConfig):
+    """The decode path's dense switch, for a backend that routes by cost: ``(decide, dense)``
+    with ``decide(active [M, F] bool) -> [] bool`` (run the up/down as dense GEMMs) and
+    ``dense(pre [M, F]) -> (y [M, D] x.dtype, l1 [M] f32)`` (the dense function from the gate
+    pre-activation); or None where the call never switches: a backend without a cost model,
+    ``dense_fallback_density=1.0``, or the cost model where it does not decide (interpret
+    mode) or where a switch would wait on the host (no device conditionals)."""
+    threshold = config.dense_fallback_density
+    if not backend.cost_model_routes or threshold == 1.0:
+        return None
+    if threshold is None and not (_cost_model_decides(config)
+                                  and xla_flags.device_conditionals_active()):
+        return None
+    m, d = x.shape
+    f = weights[0].shape[1]
+    itemsize = jnp.dtype(x.dtype).itemsize
+    cost = config.cost_model
+
+    def decide(active):
+        counts = active.sum(axis=1, dtype=jnp.int32)
+        if threshold is not None:
+            return jnp.mean(counts.astype(_F32)) > threshold * f
+        scan = cost.decode_scan_seconds(d, jnp.sum(counts.astype(_F32)), itemsize)
+        dense_rows = jnp.max(counts) > cost.decode_dense_row_density * f
+        return dense_rows | (scan > cost.dense_up_down_seconds(m, d, f, itemsize))
+
+    return decide, lambda pre: _dense_from_pre(x, pre, weights, gated)
+
+
 def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_sums=False):
     """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup.
     ``partial_sums``: y may come back as the backend's float32 partial sums [S, M, D]."""
@@ -518,9 +572,12 @@ def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_su
     # One transpose per call; loop-invariant in a decode loop (timings on the H100 suggest XLA
     # hoists it there; the CPU pipeline does not).
     w_up_t = weights[1].T if gated else None
-    y, l1_rows, active = backend.decode(x, weights[0], bias, w_up_t, weights[-1],
-                                        partial_sums=partial_sums)
-    return y, _stats_from_active(active, l1_rows, config)
+    switch = _decode_dense_switch(backend, x, weights, gated, config)
+    extra = {} if switch is None else {"dense_switch": switch}
+    y, l1_rows, active, dense = backend.decode(x, weights[0], bias, w_up_t, weights[-1],
+                                               partial_sums=partial_sums, **extra)
+    stats = _stats_from_active(active, l1_rows, config)
+    return y, stats._replace(dense_fallback=dense)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -542,10 +599,14 @@ def _uses_decode(backend: Backend, m: int, config: TwELLConfig) -> bool:
     return backend.decode is not None and m <= config.decode_rows
 
 
-def _static_dense(backend: Backend, m: int, d: int, f: int, dtype, config: TwELLConfig) -> bool:
+def _static_dense(backend: Backend, m: int, d: int, f: int, dtype, config: TwELLConfig,
+                  differentiated: bool = False) -> bool:
     """The shape-only switch: a sparse backend whose cost model says even an empty sparse call
-    costs more than the dense FFN runs the dense function (decode-sized calls excepted)."""
-    return (backend.cost_model_routes and not _uses_decode(backend, m, config)
+    costs more than the dense FFN runs the dense function. Decode-sized calls that are not
+    differentiated take the list-free decode path instead; differentiated ones need the lists
+    for the sparse backward, whose fixed cost is what the dense function saves."""
+    return (backend.cost_model_routes
+            and (differentiated or not _uses_decode(backend, m, config))
             and _sparse_never_pays(m, d, f, dtype, config))
 
 
@@ -651,7 +712,8 @@ def path_for(implementation: Implementation, m: int, d_model: int, d_ff: int, dt
         return "dense"
     if not differentiated and _uses_decode(backend, m, config):
         return "decode"
-    return "dense" if _static_dense(backend, m, d_model, d_ff, dtype, config) else "lists"
+    dense = _static_dense(backend, m, d_model, d_ff, dtype, config, differentiated)
+    return "dense" if dense else "lists"
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
