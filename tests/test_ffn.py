@@ -125,67 +125,6 @@ def test_decode_path_runs_the_decode_kernel_only_when_not_differentiated():
     assert_close(grad(x), ref_grad, jnp.float32, what="grad through the decode-sized call")
 
 
-@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_decode_dense_switch_matches_float64(dtype, gated):
-    """The decode path's switch to dense up/down, decided on the device after the gate: a
-    threshold between two batches' densities sends the dense one dense and leaves the sparse
-    one on the scan; both match float64, with or without partial sums, and the statistics
-    equal the scan's."""
-    sparse_x, *weights = make_ffn_inputs(seed_of("switch", gated), 6, D, F, "uniform", dtype,
-                                         gated=gated)
-    dense_x, *_ = make_ffn_inputs(seed_of("switch", gated), 6, D, F, "dense_rows", dtype,
-                                  gated=gated)
-    density = lambda x: float(np.mean(np.asarray(x, np.float64) @ np.asarray(weights[0],
-                                                                           np.float64) > 0))
-    assert density(sparse_x) < 0.1 < density(dense_x)
-    switch = dataclasses.replace(DECODE, dense_fallback_density=0.1)
-    for x, dense in ((sparse_x, False), (dense_x, True)):
-        run = lambda config, **kw: jax.jit(functools.partial(
-            _call, gated, implementation="pallas", config=config, return_stats=True, **kw))(
-                x, weights)
-        y, stats = run(switch)
-        y_scan, stats_scan = run(DECODE)
-        parts, _ = run(switch, partial_sums=True)
-        expected, l1 = ffn_float64(x, *weights)
-        assert bool(stats.dense_fallback) == dense and not bool(stats_scan.dense_fallback)
-        assert_close(y, expected, dtype, what=f"switch y (dense={dense})")
-        assert_close(stats.l1, l1, dtype, what=f"switch l1 (dense={dense})")
-        assert_close(finish_partial_sums(parts.sums, None, dtype), expected, dtype,
-                     what=f"switch partial sums (dense={dense})")
-        for name in ("nnz_mean", "nnz_p99", "nnz_max", "heavy_rows"):
-            assert float(getattr(stats, name)) == float(getattr(stats_scan, name)), name
-        if not dense:
-            np.testing.assert_array_equal(np.asarray(y), np.asarray(y_scan))
-
-
-def test_decode_dense_switch_only_with_device_conditionals(monkeypatch):
-    """The cost model's decode switch is a conditional: traced only on a GPU (not in interpret
-    mode) where XLA runs conditionals on the device (a host round trip costs more than the
-    call); there it keeps light rows on the scan and sends a batch with a dense row dense."""
-    x, *weights = make_ffn_inputs(seed_of("switch_gpu"), 8, D, F, "dense_rows", jnp.float32)
-    config = dataclasses.replace(DECODE, dense_fallback_density=None)
-    pallas = ffn.backends.get("pallas")
-    switch = lambda: ffn._decode_dense_switch(pallas, x, weights, True, config)
-    assert switch() is None  # interpret mode
-    monkeypatch.setattr(ffn, "default_interpret", lambda: False)  # as on a GPU
-    monkeypatch.setattr(ffn.xla_flags, "device_conditionals_active", lambda: False)
-    assert switch() is None
-    assert ffn._decode_dense_switch(ffn.backends.get("reference"), x, weights, True,
-                                    DECODE) is None
-    monkeypatch.setattr(ffn.xla_flags, "device_conditionals_active", lambda: True)
-    assert switch() is not None
-    run = lambda x: tj.gated_mlp(x, *weights, implementation="pallas", config=config,
-                                 return_stats=True)
-    y, stats = run(x)
-    assert bool(stats.dense_fallback)  # a quarter of the rows fully active
-    assert_close(y, ffn_float64(x, *weights)[0], jnp.float32, what="switched y")
-    light = x[x.shape[0] // 4 + 1:]
-    y, stats = run(light)
-    assert not bool(stats.dense_fallback)
-    assert_close(y, ffn_float64(light, *weights)[0], jnp.float32, what="scanned y")
-
-
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 def test_partial_sums_on_the_decode_path_only(gated):
     """``partial_sums=True``: the "pallas" decode path returns its float32 partial sums, which

@@ -38,22 +38,3 @@ def test_a_fresh_process_runs_with_it():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.stdout.split() == ["3.0", xla_flags.DEVICE_CONDITIONALS]
-
-
-def test_device_conditionals_active_reads_the_command_buffer_flag(monkeypatch):
-    for flags, active in (("", False), (xla_flags.DEVICE_CONDITIONALS, True),
-                          ("--xla_gpu_enable_command_buffer=FUSION,CONDITIONAL", True),
-                          ("--xla_gpu_enable_command_buffer=", False),
-                          ("--xla_gpu_enable_command_buffer=FUSION", False)):
-        monkeypatch.setenv("XLA_FLAGS", flags)
-        assert xla_flags.device_conditionals_active() == active, flags
-
-
-def test_importing_the_package_adds_the_flag_unless_told_not_to():
-    code = "import os, twell_jax; print(os.environ.get('XLA_FLAGS', '-'))"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TWELL_LEAVE_XLA_FLAGS")}
-    cwd = os.path.dirname(os.path.dirname(__file__))
-    run = lambda env: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                                     text=True, check=True, cwd=cwd).stdout.split()
-    assert run(env) == [xla_flags.DEVICE_CONDITIONALS]
-    assert run({**env, "TWELL_LEAVE_XLA_FLAGS": "1"}) == ["-"]

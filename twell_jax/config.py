@@ -18,9 +18,6 @@ class CostModel:
     matrices fit in L2 (D = 2048, F = 5632: 46 MB) and ~2.6 TB/s from HBM (D = 4096, F =
     14336); device memory copies at ~3.0 TB/s; and the sparse path costs ~0.3 ms per call
     whatever the batch (0.26-0.34 ms measured at M = 1).
-
-    At decode sizes (``decode_rows``) the list-free scan and the dense up/down are chosen
-    between with ``decode_scan_seconds`` against ``dense_up_down_seconds``.
     """
 
     gemm_flops_per_s: float = 6.5e14
@@ -29,17 +26,6 @@ class CostModel:
     l2_bytes: float = 5.0e7  # up and down weights up to this size are gathered from L2 (H100)
     memory_bytes_per_s: float = 3.0e12
     sparse_fixed_seconds: float = 3.0e-4
-    decode_gather_bytes_per_s: float = 1.6e12
-    decode_dense_row_density: float = 0.125
-
-    def decode_scan_seconds(self, d: int, entries, itemsize: int):
-        """The decode path's ``scan_up_down`` over ``entries`` active (row, unit) pairs: two
-        gathered weight rows of d elements each. Its programs walk few units each, so a unit
-        costs ~5 ns at D = 2048 (H100, M = 1-64: ~1.6 TB/s, a third of the list kernels'
-        rate). Rows denser than ``decode_dense_row_density`` (the kernel's dense-chunk
-        threshold) are multiplied densely per row, far slower than one shared dense GEMM: the
-        decode switch (``twell_jax.ffn``) sends such calls dense whatever this says."""
-        return entries * 2.0 * d * itemsize / self.decode_gather_bytes_per_s
 
     def dense_ffn_seconds(self, m: int, d: int, f: int, itemsize: int) -> float:
         """The whole dense FFN: three GEMMs' math or their weight reads, whichever is larger."""
@@ -98,11 +84,8 @@ class TwELLConfig:
         sparse path's fixed cost exceeds the dense FFN (decode sizes on the H100). The cost
         model applies only to compiled kernels: in interpret mode (no GPU) the sparse path
         always runs. A float: dense when the mean fraction of active units exceeds it
-        (``1.0``: never dense, ``0.0``: always). The decode path (``decode_rows``) decides
-        the same way after its gate product (the threshold, or the cost model's decode rates:
-        ``CostModel.decode_scan_seconds``), on the device; with ``None`` it does so only
-        when XLA runs conditionals on the device (``twell_jax.xla_flags``), since a host
-        round trip would cost more than the call.
+        (``1.0``: never dense, ``0.0``: always). The decode path (``decode_rows``) is never
+        routed to dense.
       cost_model: the measured device rates behind the ``None`` decision.
       decode_rows: calls of at most this many token rows that are not differentiated (decode
         steps, small batches) run the backend's list-free decode path when it has one

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.common import default_interpret
-from twell_jax import backends, xla_flags
+from twell_jax import backends
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Backend, Implementation, RowLists
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 from twell_jax.dense import gate_pre_activation
@@ -536,35 +536,6 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     return jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
 
 
-def _decode_dense_switch(backend: Backend, x, weights, gated, config: TwELLConfig):
-    """The decode path's dense switch, for a backend that routes by cost: ``(decide, dense)``
-    with ``decide(active [M, F] bool) -> [] bool`` (run the up/down as dense GEMMs) and
-    ``dense(pre [M, F]) -> (y [M, D] x.dtype, l1 [M] f32)`` (the dense function from the gate
-    pre-activation); or None where the call never switches: a backend without a cost model,
-    ``dense_fallback_density=1.0``, or the cost model where it does not decide (interpret
-    mode) or where a switch would wait on the host (no device conditionals)."""
-    threshold = config.dense_fallback_density
-    if not backend.cost_model_routes or threshold == 1.0:
-        return None
-    if threshold is None and not (_cost_model_decides(config)
-                                  and xla_flags.device_conditionals_active()):
-        return None
-    m, d = x.shape
-    f = weights[0].shape[1]
-    itemsize = jnp.dtype(x.dtype).itemsize
-    cost = config.cost_model
-
-    def decide(active):
-        counts = active.sum(axis=1, dtype=jnp.int32)
-        if threshold is not None:
-            return jnp.mean(counts.astype(_F32)) > threshold * f
-        scan = cost.decode_scan_seconds(d, jnp.sum(counts.astype(_F32)), itemsize)
-        dense_rows = jnp.max(counts) > cost.decode_dense_row_density * f
-        return dense_rows | (scan > cost.dense_up_down_seconds(m, d, f, itemsize))
-
-    return decide, lambda pre: _dense_from_pre(x, pre, weights, gated)
-
-
 def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_sums=False):
     """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup.
     ``partial_sums``: y may come back as the backend's float32 partial sums [S, M, D]."""
@@ -572,12 +543,9 @@ def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_su
     # One transpose per call; loop-invariant in a decode loop (timings on the H100 suggest XLA
     # hoists it there; the CPU pipeline does not).
     w_up_t = weights[1].T if gated else None
-    switch = _decode_dense_switch(backend, x, weights, gated, config)
-    extra = {} if switch is None else {"dense_switch": switch}
-    y, l1_rows, active, dense = backend.decode(x, weights[0], bias, w_up_t, weights[-1],
-                                               partial_sums=partial_sums, **extra)
-    stats = _stats_from_active(active, l1_rows, config)
-    return y, stats._replace(dense_fallback=dense)
+    y, l1_rows, active = backend.decode(x, weights[0], bias, w_up_t, weights[-1],
+                                        partial_sums=partial_sums)
+    return y, _stats_from_active(active, l1_rows, config)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -8,9 +8,7 @@ a switch's index to the host and waits for it, so the GPU drains its queue at ev
 training step 95.1 -> 93.9 ms, prefill 27.1 -> 26.6 ms on the H100. The dense model has no switch.
 
 XLA reads ``XLA_FLAGS`` once, when JAX starts its backends (at the first computation, not at
-``import jax``), so the flag must be in the environment before then. ``import twell_jax`` adds
-it (unless ``XLA_FLAGS`` already sets the command buffer's contents, or the environment sets
-``TWELL_LEAVE_XLA_FLAGS=1``); a script that starts JAX before importing twell_jax calls
+``import jax``), so the flag must be in the environment before then:
 
     from twell_jax import xla_flags
     xla_flags.use_device_conditionals()  # first thing in a script
@@ -22,10 +20,6 @@ import os
 
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
 DEVICE_CONDITIONALS = f"{COMMAND_BUFFER_FLAG}=+CONDITIONAL"
-LEAVE_FLAGS_ENV = "TWELL_LEAVE_XLA_FLAGS"
-"""Set (to anything but "" or "0") to stop ``import twell_jax`` from adding the flag."""
-
-_added_too_late = False  # the flag was added after JAX's backends had started
 
 
 def with_device_conditionals(flags: str) -> str:
@@ -46,36 +40,10 @@ def backends_started() -> bool:
         return False
 
 
-def device_conditionals_active() -> bool:
-    """Whether this process's XLA runs conditionals on the device: ``XLA_FLAGS`` asks for
-    CONDITIONAL command buffers and was not changed to do so after the backends started. The
-    decode path switches to dense GEMMs on the device only then: without it each switch is a
-    host round trip (~110 us on the H100), longer than a whole decode-sized FFN."""
-    if _added_too_late:
-        return False
-    for flag in os.environ.get("XLA_FLAGS", "").split():
-        name, _, value = flag.partition("=")
-        if name == COMMAND_BUFFER_FLAG:
-            return "CONDITIONAL" in value.upper()
-    return False
-
-
-def use_on_import() -> None:
-    """What ``import twell_jax`` does: ``use_device_conditionals()``, unless the environment
-    sets ``LEAVE_FLAGS_ENV``."""
-    if os.environ.get(LEAVE_FLAGS_ENV, "") in ("", "0"):
-        use_device_conditionals()
-
-
 def use_device_conditionals() -> bool:
     """Adds ``DEVICE_CONDITIONALS`` to ``os.environ["XLA_FLAGS"]`` (see
     ``with_device_conditionals``); subprocesses inherit it. Returns whether this process will
     use it: False once JAX's backends have started. Harmless without a GPU (XLA knows the flag
     on every platform and the CPU ignores it)."""
-    global _added_too_late
-    before = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = with_device_conditionals(before)
-    if not backends_started():
-        return True
-    _added_too_late = _added_too_late or os.environ["XLA_FLAGS"] != before
-    return False
+    os.environ["XLA_FLAGS"] = with_device_conditionals(os.environ.get("XLA_FLAGS", ""))
+    return not backends_started()

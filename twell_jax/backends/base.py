@@ -26,18 +26,14 @@ A sparse backend (``sparse=True``) fills the four building blocks:
   -> tuple of [d_ff, D] float32 ([D, d_ff] when ``transposed``), one per values array (all
   share the pattern and b): the transposed products of the backward (dW).
 - ``decode(x [M, D], w_in [D, F], bias [F] or None, w_up_t [F, D] or None, w_down [F, D],
-  partial_sums=False[, dense_switch])`` -> ``(y [M, D] x.dtype, l1 [M] float32, active
-  [M, F] bool, dense [] bool)``
+  partial_sums=False)`` -> ``(y [M, D] x.dtype, l1 [M] float32, active [M, F] bool)``
   (optional; with ``partial_sums`` a backend may return y as float32 partial sums [S, M, D]
   instead, which ``finish_partial_sums(y, None, x.dtype)`` turns into y): the whole sparse FFN
   of a few rows without lists (``w_in`` is the gate, or the up projection when ``w_up_t`` is
   None; l1 = sum_j |h_j|; active: the units with a positive gate). ``ffn.py`` runs it for
   calls of at most ``TwELLConfig.decode_rows`` rows that are not differentiated (decode
-  steps); every row is exact whatever its count, so there is no dense backup. A backend
-  with ``cost_model_routes`` may be given ``dense_switch=(decide, dense)`` (``ffn.
-  _decode_dense_switch``): after its gate product it runs ``dense(pre)`` instead of its own
-  up/down where ``decide(active)`` says so (a device-side conditional), and reports it in
-  ``dense``.
+  steps); every row is exact whatever its count, so there is no dense backup and no
+  device-side routing.
 
 The dense backend (``sparse=False``) supplies none: ``ffn.py`` runs the dense function.
 """

@@ -110,44 +110,24 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff, transposed=False):
     return tuple(o[:d] if transposed else o[:, :d] for o in out)
 
 
-def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False, dense_switch=None):
+def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False):
     # The gate on the GEMV kernel, whose partial sums scan_up_down adds itself: no launch and
     # no [M, F] write in between. Below 8 rows XLA's dot is ~2x slower than the weight read;
     # at 8 and 64 rows the whole decode FFN is 0.7 and 1.5 us faster this way than with XLA's
     # dot (H100).
     if x.shape[0] <= GEMV_MAX_ROWS:
         gate = GatePartials(gemv_partial_sums(x, w_in), bias, x.dtype)
-        pre = gate.pre()  # for the statistics and the switch: dead code unless they are used
+        pre = gate.pre()  # only for the statistics: dead code unless they are used
     else:
         gate = pre = gate_pre_activation(x, w_in, bias)
-    active = jnp.logical_not(pre <= 0)  # > 0 or NaN
     gated = w_up_t is not None
     x_pad, w_up_t, w_down_pad = _pad_up_down(x if gated else None, w_up_t, w_down)
-
-    def scan():
-        y_parts, l1 = scan_up_down_partial_sums(gate, x_pad, w_up_t, w_down_pad)
-        y_parts = y_parts[..., :w_down.shape[1]]
-        # Unfinished for a consumer that adds the slices itself (the model's add_rms_norm: one
-        # launch less a decode step).
-        return (y_parts if partial_sums else finish_partial_sums(y_parts, None, x.dtype)), l1
-
-    if dense_switch is None:
-        return *scan(), active, jnp.asarray(False)
-    decide, dense_fn = dense_switch
-    scan_shape = jax.eval_shape(scan)[0].shape
-
-    def dense():
-        y, l1 = dense_fn(pre)
-        if partial_sums:  # the same [S, M, D] float32 shape: y in the first slice
-            y = jnp.zeros(scan_shape, jnp.float32).at[0].set(y.astype(jnp.float32))
-        return y, l1
-
-    # Dense rows make the scan re-read whole weight slabs per row, where one dense GEMM reads
-    # each weight once for every row: past the cost model's break-even the up/down run dense.
-    # A device-side conditional (the decode switch runs only with them: ``twell_jax.ffn``).
-    use_dense = decide(active)
-    y, l1 = jax.lax.cond(use_dense, dense, scan)
-    return y, l1, active, use_dense
+    y_parts, l1 = scan_up_down_partial_sums(gate, x_pad, w_up_t, w_down_pad)
+    y_parts = y_parts[..., :w_down.shape[1]]
+    # Unfinished for a consumer that adds the slices itself (the model's add_rms_norm: one
+    # launch less a decode step).
+    y = y_parts if partial_sums else finish_partial_sums(y_parts, None, x.dtype)
+    return y, l1, jnp.logical_not(pre <= 0)  # active: > 0 or NaN
 
 
 # The cost model may route to dense: the kernels' rates are what it measures.

@@ -114,7 +114,7 @@ def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False):
     active = jnp.logical_not(pre <= 0)  # > 0 or NaN
     y, l1 = scan_up_down_reference(pre, None if w_up_t is None else x, w_up_t, w_down,
                                    out_dtype=x.dtype)
-    return y, l1, active, jnp.asarray(False)
+    return y, l1, active
 
 
 BACKEND = Backend(sparse=True, pack=_pack, up_down=_up_down, row_grads=_row_grads,
