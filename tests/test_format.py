@@ -166,3 +166,28 @@ def test_mostly_heavy_reads_a_sample_of_rows(heavy_share, expected):
     pre[:, d_ff:] = 0.0
     got = fmt.mostly_heavy(jnp.asarray(pre, jnp.bfloat16), config, d_ff)
     assert bool(got) == expected
+
+
+@pytest.mark.parametrize("per_row, heavy_share, expected", [
+    (28, 0.0, False),  # the design point: light rows, sparse by far
+    (44, 0.0, False),  # light rows just past the break-even: within the margin, left to the counts
+    (56, 0.0, True),   # light rows, 1.29x the dense estimate: dense
+    (80, 0.4, True),   # 40% heavy: not mostly heavy, but the backup makes the batch dense
+    (120, 1.0, True)])
+def test_sampled_cost_skips_batches_the_cost_model_clearly_sends_dense(per_row, heavy_share,
+                                                                       expected):
+    """A sample of rows, scaled to the batch, through the cost model with a margin: the batch
+    goes dense without its lists only when the sparse estimate exceeds 1.25 x the dense."""
+    config = tj.TwELLConfig()
+    m, d, d_ff = 4096, 2048, 5632
+    cap = config.max_row_nnz(d_ff)
+    rows = np.arange(m)
+    heavy = (rows // 16) < heavy_share * (m // 16)  # by sampled row (every 16th is read)
+    active = np.where(heavy, max(per_row, cap + 1), min(per_row, cap))
+    pre = np.where(np.arange(d_ff)[None, :] < active[:, None], 1.0, -1.0)
+    got = fmt.sampled_cost_says_dense(jnp.asarray(pre, jnp.bfloat16), config, d_ff, d, 2)
+    cost = config.cost_model
+    light_nnz = float(np.sum(np.where(heavy, 0, active)))
+    sparse = float(cost.sparse_up_down_seconds(d, d_ff, light_nnz, float(heavy.sum()), 2))
+    assert (sparse > 1.25 * cost.dense_up_down_seconds(m, d, d_ff, 2)) == expected
+    assert bool(got) == expected

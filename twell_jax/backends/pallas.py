@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import common as kernels_common
 from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pallas_kernels.gemv import gemv_partial_sums
@@ -31,7 +32,7 @@ from pallas_kernels.sparse_outer import sparse_outer
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
 from twell_jax.dense import gate_pre_activation
-from twell_jax.format import mostly_heavy
+from twell_jax.format import mostly_heavy, sampled_cost_says_dense
 
 _D_BLOCK_MAX = 512  # sparse_outer: D padded so a power-of-two chunk <= 512 divides it
 _D_MULTIPLE = 64  # the row kernels: D padded to a multiple of 64, split into power-of-two chunks
@@ -64,6 +65,12 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
     # returns at once instead of reading the 184 MB pre-activation (M = 16384, F = 5632) for
     # nothing, and the dense branch takes the statistics from ``pre`` (``ffn._twell_forward``).
     skipped = mostly_heavy(pre, config, f)
+    if config.dense_fallback_density is None and not kernels_common.default_interpret():
+        # Compiled, the cost model routes: a batch it clearly sends dense (a sample of rows
+        # says so) skips the pack too. (M = 16384, 1% uniform: ~40% of the rows heavy, so not
+        # mostly heavy, yet dense by the cost model: the pack's read of ``pre`` was for nothing.)
+        skipped = skipped | sampled_cost_says_dense(pre, config, f, d,
+                                                    jnp.dtype(x.dtype).itemsize)
     values, columns, counts, row_total = row_pack(
         pre, tile_width=config.tile_width, num_slots=config.max_row_nnz(f), skip=skipped)
     return RowLists(values, columns, row_total), counts, pre[:, :f], skipped
