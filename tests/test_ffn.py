@@ -512,6 +512,34 @@ def test_differentiated_small_calls_run_dense_autodiff_on_gpu(monkeypatch, gated
     assert "twell_scan_up_down" in str(jax.make_jaxpr(primal)(x))
 
 
+@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
+@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+def test_transposes_in_the_branches_change_nothing(implementation, gated):
+    """Weights past the L2 have their transposes made in the route's sparse branches (a batch
+    routed dense skips them): y and every gradient equal the transposes-outside build's bit
+    for bit, on a pattern with heavy rows in the backup."""
+    x, *weights = make_ffn_inputs(seed_of("transposes", gated), M, D, F, "heavy_tailed",
+                                  jnp.float32, gated=gated)
+    inside = dataclasses.replace(CONFIG, cost_model=tj.config.CostModel(l2_bytes=0.0))
+    assert ffn._transposes_in_branches(tuple(weights), inside)
+    assert not ffn._transposes_in_branches(tuple(weights), CONFIG)
+
+    def value_and_grads(config):
+        def loss(x, weights):
+            y, stats = _call(gated, x, weights, implementation=implementation, config=config,
+                             return_stats=True)
+            return jnp.sum(y * jnp.cos(y)), stats
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, weights)
+
+    (value, stats), grads = value_and_grads(inside)
+    (want_value, want_stats), want_grads = value_and_grads(CONFIG)
+    assert int(stats.heavy_rows) > 0
+    for got, want in zip(jax.tree.leaves((value, grads)), jax.tree.leaves((want_value,
+                                                                            want_grads))):
+        assert bool(jnp.all(jnp.isfinite(got)))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_path_for_names_the_path_a_call_takes(monkeypatch):
     bf16 = jnp.bfloat16
     assert ffn.path_for("xla", 8, 2048, 5632, bf16) == "dense"

@@ -305,13 +305,14 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: Row
     """Light rows on the lists, the backup's rows ``index`` [size] (None: no heavy row; see
     ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values
     [M, K] f32 or [M, 0], ``counted`` as given: the statistics' row totals and heavy rows).
-    ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route switch (the backward
-    makes its own: two transposes in a forward + backward). ``pre``
+    ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route switch, or None
+    (made here: ``_transposes_in_branches``). ``pre``
     [M, F]: the backend's gate pre-activation, or None. The backup takes its rows of ``pre``
     rather than redo their gate GEMM, as the all-dense branch does (with the sizes of
     ``_backup_sizes``: heavy-tailed forward 1.60 -> 1.43 ms on the H100)."""
     m = x.shape[0]
     if gated:
+        w_up_t = weights[1].T if w_up_t is None else w_up_t  # ``_transposes_in_branches``
         y, up_values, l1_rows = backend.up_down(x, w_up_t, weights[-1], gate)
     else:
         y, _, l1_rows = backend.up_down(None, None, weights[-1], gate)
@@ -360,6 +361,20 @@ def _dense_forward_for_grad(x, params, bias, gated, config):
     return (y, stats), _DenseVJP(pullback)
 
 
+def _transposes_in_branches(weights: tuple[jax.Array, ...], config: TwELLConfig) -> bool:
+    """Where the row kernels' transposed weights ([F, D]) are made: before the route switch
+    (False), or in its sparse branches, so that a batch routed dense skips them (True).
+
+    Before the switch XLA shares the forward's transpose with the backward's (the FFN ~0.1 ms
+    faster at D = 2048, F = 5632 on the H100), and there a transpose is ~14 us. Past the L2
+    (W_up + W_down 235 MB at D = 4096, F = 14336) one transpose moves ~235 MB (~80 us), three a
+    forward + backward, and such layers go dense at most densities: there they are made in
+    the branches."""
+    *ins, w_down = weights
+    f, d = w_down.shape
+    return 2 * d * f * jnp.dtype(w_down.dtype).itemsize > config.cost_model.l2_bytes
+
+
 def _twell_forward(x, params, bias, gated, implementation, config):
     backend = backends.get(implementation)
     m = x.shape[0]
@@ -388,7 +403,7 @@ def _twell_forward(x, params, bias, gated, implementation, config):
     # the route (``_twell_backward``), and they must add nothing to the dense gradients.
     gate = _light_lists(lists, backup | dense, f, config)
 
-    w_up_t = weights[1].T if gated else None
+    w_up_t = weights[1].T if gated and not _transposes_in_branches(weights, config) else None
     counted = (row_nnz_all, num_heavy)
     sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, w_up_t, gate,
                                pre, counted)
@@ -518,13 +533,15 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     # into the switch and through it, dx was copied at the end of every branch in the models
     # (7 of the 0.5b model's 8 layers, whose switches called clones of one set of branches;
     # 67 MB, ~69 us a layer at M = 16384 on the H100). The
-    # transposed weights are made outside, where the forward's ``w_up_t`` is (made inside,
-    # they cost the FFN ~0.1 ms on the H100). The kernel rounds dx to x.dtype itself: a float32
+    # transposed weights are made where the forward's ``w_up_t`` is (``_transposes_in_branches``).
+    # The kernel rounds dx to x.dtype itself: a float32
     # dx would be written, then read by a cast (~70 us per 0.5b layer on the H100).
-    w_up_t = r.weights[-2].T  # (w_gate, w_up, w_down) or (w_up, w_down)
-    w_gate_t = r.weights[0].T if gated else None
+    transposed = lambda: (r.weights[-2].T,  # (w_gate, w_up, w_down) or (w_up, w_down)
+                          r.weights[0].T if gated else None)
+    outside = None if _transposes_in_branches(r.weights, config) else transposed()
 
     def with_backup(index):
+        w_up_t, w_gate_t = transposed() if outside is None else outside
         dx = backend.row_dx(w_up_t, w_gate_t, r.gate, *lists.entries, dy.dtype)
         grads = (dx, lists.d_weights, lists.d_bias)
         if index is None:
