@@ -215,13 +215,17 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
 
     ttft_compile_s = first_call_seconds(first_token)
     ttft = time_call(first_token, cfg.runs)
-    decode_state, first, _ = first_token()
+    decode_state, first, prefill_nnz = first_token()
+    # As generate decides: the decode loop runs the FFN dense if the prefill's activity says so.
+    dense = model_lib.decode_runs_dense(mcfg, prefill_nnz, batch)
+    dense_ffn = dense is not None and bool(dense)
 
     def decode(n: int = steps, stats: bool = False):
         # n is traced and chunk static: every n runs the same compiled loop. Timed without
         # statistics, as generate runs unless asked for them.
         return model_lib.generation_steps(graphdef, state, decode_state, jnp.int32(n),
-                                          sampling=sampling, chunk=steps, stats=stats)
+                                          sampling=sampling, chunk=steps, stats=stats,
+                                          dense_ffn=dense_ffn)
 
     decode_compile_s = first_call_seconds(decode)
     sampler = PowerSampler()
@@ -254,6 +258,7 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
         "device": str(jax.devices()[0].device_kind), "context": cfg.context,
         "prompt_len": int(prompts.shape[1]), "new_tokens": cfg.new_tokens, "decode_steps": steps,
         "param_dtype": jnp.dtype(mcfg.param_dtype).name, "force_sparse": cfg.force_sparse,
+        "decode_dense_ffn": dense_ffn,
         "ttft_ms": ttft["median_ms"], "ttft_p10_ms": ttft["p10_ms"],
         "ttft_p90_ms": ttft["p90_ms"], "prefill_tokens_per_s": batch * prompts.shape[1]
         / (ttft["median_ms"] / 1e3),

@@ -7,6 +7,7 @@ Compiles dominate on the CPU, so the tests share a few shapes: two prompts of 6 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import sys
 
@@ -181,6 +182,42 @@ def test_sparse_implementations_decode_like_dense():
         np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected), err_msg=what)
         np.testing.assert_allclose(stats["nnz_mean"], expected_stats["nnz_mean"], rtol=1e-6,
                                    err_msg=what)
+
+
+def test_decode_loop_runs_dense_when_the_prefill_says_so():
+    """The decode loop runs its FFN layers dense when the prefill's activity says the decode
+    path would cost more (here a fixed density threshold below the random model's ~half
+    active units): the same tokens as the dense model, from ``generate`` and the stream, and
+    the choice is None where it cannot apply (no threshold and no GPU cost model)."""
+    prompts = [[1, 2, 3], [4, 5]]
+    dense_decode = dataclasses.replace(ALL_SPARSE, dense_fallback_density=0.1)
+    kw = dict(dtype=jnp.float32, seed=3, n_layers=1)
+    expected = model_lib.generate(model_lib.build("tiny", implementation="xla", **kw), prompts,
+                                  max_new_tokens=3)
+    model = model_lib.build("tiny", implementation="pallas", twell=dense_decode, **kw)
+    tokens, stats = model_lib.generate(model, prompts, max_new_tokens=3, return_stats=True)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
+    assert float(stats["nnz_mean"][0, 0]) > 0.1 * model.cfg.d_ff  # the prefill's activity
+    assert bool(model_lib.decode_runs_dense(model.cfg, stats["nnz_mean"][0], 2))
+    assert not bool(model_lib.decode_runs_dense(model.cfg, np.zeros((1,), np.float32), 2))
+    streamed = np.concatenate([t for t, _ in model_lib.generate_chunks(
+        model, prompts, max_new_tokens=3, chunk_size=2)], axis=1)
+    np.testing.assert_array_equal(streamed, np.asarray(expected))
+    graphdef, state = nnx.split(model)
+    seqs, lengths = padded(prompts, 3)
+    ds, _, _ = model_lib.generation_start(graphdef, state, jnp.asarray(seqs),
+                                          jnp.asarray(lengths), jax.random.key(0),
+                                          jnp.zeros((model.cfg.vocab_size,), bool),
+                                          sampling=model_lib.Sampling(), cache_len=WIDTH)
+    for dense_ffn in (False, True):  # the dense loop runs no TwELL kernel
+        text = str(jax.make_jaxpr(functools.partial(
+            model_lib.generation_steps, sampling=model_lib.Sampling(), chunk=2,
+            dense_ffn=dense_ffn), static_argnums=0)(graphdef, state, ds, jnp.int32(2)))
+        assert ("twell_scan_up_down" in text) != dense_ffn
+    for cfg in (dataclasses.replace(model.cfg, twell=ALL_SPARSE),  # threshold 1.0: never
+                dataclasses.replace(model.cfg, twell=None),  # cost model, interpret mode
+                dataclasses.replace(model.cfg, implementation="xla")):
+        assert model_lib.decode_runs_dense(cfg, stats["nnz_mean"][0], 2) is None
 
 
 def _pallas_calls(jaxpr, name: str):

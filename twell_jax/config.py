@@ -26,6 +26,16 @@ class CostModel:
     l2_bytes: float = 5.0e7  # up and down weights up to this size are gathered from L2 (H100)
     memory_bytes_per_s: float = 3.0e12
     sparse_fixed_seconds: float = 3.0e-4
+    decode_gather_bytes_per_s: float = 1.6e12
+    decode_dense_density: float = 1 / 16
+
+    def decode_up_down_seconds(self, d: int, entries, itemsize: int):
+        """The decode path's up/down (``scan_up_down``) over ``entries`` active (row, unit)
+        pairs: two gathered weight rows of d elements each. Its programs walk few units each:
+        ~5 ns a unit at D = 2048 (H100, 1-64 rows), ~1.6 TB/s, a third of the list kernels'
+        rate. Past ``decode_dense_density`` active units per row it multiplies whole weight
+        slabs row by row and costs several dense FFNs (0.2x dense at 20%, one row)."""
+        return entries * 2.0 * d * itemsize / self.decode_gather_bytes_per_s
 
     def dense_ffn_seconds(self, m: int, d: int, f: int, itemsize: int) -> float:
         """The whole dense FFN: three GEMMs' math or their weight reads, whichever is larger."""

@@ -684,6 +684,37 @@ def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, retu
     return (y, stats) if return_stats else y
 
 
+def decode_runs_dense(implementation: Implementation, nnz_mean: jax.Array, rows: int,
+                      d_model: int, d_ff: int, dtype, config: TwELLConfig | None = None):
+    """Whether a decode loop should run its FFN layers dense, from their measured activity:
+    ``nnz_mean`` [L] (the layers' mean active units per token, e.g. a prefill's) for decode
+    steps of ``rows`` token rows. Returns a [] bool array, or None where the answer is always
+    no (a dense implementation or a sparse one without a dense route, a decode-sized call
+    that does not take the decode path, ``dense_fallback_density=1.0``, or the cost model in
+    interpret mode, where the kernels always run).
+
+    The decode path cannot switch per call at no cost: a device-side conditional inside the
+    decode loop cost 14-23 us a call on the H100, more than the whole FFN at the design
+    point. A loop decides once, before it starts. With ``dense_fallback_density`` set, dense
+    when a layer's mean density exceeds it; with the cost model, dense when a layer passes
+    ``CostModel.decode_dense_density`` or the layers' decode up/downs
+    (``decode_up_down_seconds``) add up to more than their dense GEMMs."""
+    backend = backends.get(implementation)
+    config = DEFAULT_CONFIG if config is None else config
+    threshold = config.dense_fallback_density
+    if (not backend.cost_model_routes or not _uses_decode(backend, rows, config)
+            or threshold == 1.0 or (threshold is None and not _cost_model_decides(config))):
+        return None
+    density = jnp.asarray(nnz_mean, _F32) / d_ff
+    if threshold is not None:
+        return jnp.any(density > threshold)
+    cost = config.cost_model
+    itemsize = jnp.dtype(dtype).itemsize
+    sparse = jnp.sum(cost.decode_up_down_seconds(d_model, rows * density * d_ff, itemsize))
+    dense = density.shape[0] * cost.dense_up_down_seconds(rows, d_model, d_ff, itemsize)
+    return jnp.any(density > cost.decode_dense_density) | (sparse > dense)
+
+
 def path_for(implementation: Implementation, m: int, d_model: int, d_ff: int, dtype,
              config: TwELLConfig | None = None, *,
              differentiated: bool = False) -> Literal["dense", "decode", "lists"]:

@@ -39,9 +39,9 @@ The package's modules, one concern each: ``config`` (``ModelConfig``, ``CONFIGS`
 
 from twell_jax.model.cache import KVCache
 from twell_jax.model.config import CONFIGS, ModelConfig
-from twell_jax.model.generation import (PAD_TOKEN, DecodeState, Sampling, generate,
-                                        generate_chunks, generation_start, generation_steps,
-                                        sample_logits)
+from twell_jax.model.generation import (PAD_TOKEN, DecodeState, Sampling, decode_runs_dense,
+                                        generate, generate_chunks, generation_start,
+                                        generation_steps, sample_logits)
 from twell_jax.model.hf import from_hf, hf_config
 from twell_jax.model.layers import (FFN_INPUT_NAME, Attention, Block, FFNInput, RMSNorm,
                                     apply_rope, apply_rope_at, decode_attention, rope_tables)
@@ -52,7 +52,7 @@ from twell_jax.model.transformer import Transformer, build
 __all__ = [
     "CONFIGS", "FFN_INPUT_NAME", "PAD_TOKEN", "Attention", "Block", "DecodeState", "FFNInput",
     "KVCache", "ModelConfig", "RMSNorm", "Sampling", "Transformer", "activity_and_token_nnz",
-    "apply_rope", "apply_rope_at", "build", "decode_attention", "from_hf", "gate_preactivations",
+    "apply_rope", "apply_rope_at", "build", "decode_attention", "decode_runs_dense", "from_hf", "gate_preactivations",
     "generate", "generate_chunks", "generation_start", "generation_steps", "hf_config",
     "layer_stats", "loss_fn", "rope_tables", "sample_logits", "token_nnz", "unit_activity",
 ]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twell_jax import ffn
 from twell_jax.model.cache import KVCache
 from twell_jax.model.loss import layer_stats
 from twell_jax.model.transformer import Transformer
@@ -110,13 +111,35 @@ def _with_layer_nnz(fn, n_layers: int, stats: bool):
     return run
 
 
+def decode_runs_dense(cfg, nnz_mean, batch: int):
+    """Whether the decode loop runs the FFN layers dense, from the prefill's per-layer
+    ``nnz_mean`` [n_layers] and the batch: ``twell_jax.ffn.decode_runs_dense`` for this model
+    ([] bool, or None where it never does)."""
+    return ffn.decode_runs_dense(cfg.implementation, nnz_mean, batch, cfg.d_model, cfg.d_ff,
+                                 cfg.dtype, cfg.twell)
+
+
+def _may_run_dense(cfg, batch: int) -> bool:
+    return decode_runs_dense(cfg, np.zeros((cfg.n_layers,), np.float32), batch) is not None
+
+
+def _with_dense_ffn(model: Transformer) -> Transformer:
+    """``model`` (merged inside the caller's trace) with its FFN layers on the dense
+    implementation: the same parameters, the dense function."""
+    for block in model.blocks:
+        block.ffn.implementation = "xla"
+    return model
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "stats"))
 def generation_start(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
                      cache_len: int, stats: bool = True):
     """``generate``'s first stage (jitted): prefill and the first token: (DecodeState, token
-    [B], nnz_mean [n_layers]; NaN without ``stats``)."""
+    [B], nnz_mean [n_layers]; NaN without ``stats``, unless the decode loop may run dense:
+    ``decode_runs_dense`` reads them)."""
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(prompts.shape[0], cache_len)
+    stats = stats or _may_run_dense(model.cfg, prompts.shape[0])
     prefill = _with_layer_nnz(model.prefill, model.cfg.n_layers, stats)
     (logits, cache), nnz = prefill(prompts, lengths, cache)
     token = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
@@ -124,13 +147,15 @@ def generation_start(graphdef, state, prompts, lengths, key, stop, *, sampling: 
     return decode_state, token, nnz
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk", "stats"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk", "stats",
+                                             "dense_ffn"))
 def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling: Sampling,
-                     chunk: int, stats: bool = True):
+                     chunk: int, stats: bool = True, dense_ffn: bool = False):
     """``generate``'s decode loop (jitted): up to ``n`` (<= chunk, traced) decode steps in one
     ``lax.while_loop``; stops early once every sequence is done. Returns (DecodeState, tokens
     [B, chunk] (PAD_TOKEN past the steps run or a stop), nnz_mean [chunk, n_layers] (NaN past
-    the steps run, and everywhere without ``stats``: then no statistic is computed))."""
+    the steps run, and everywhere without ``stats``: then no statistic is computed)).
+    ``dense_ffn``: the FFN layers run the dense function (``decode_runs_dense``)."""
     n_layers = nnx.merge(graphdef, state).cfg.n_layers
     b = decode_state.token.shape[0]
     tokens = jnp.full((b, chunk), PAD_TOKEN, jnp.int32)
@@ -144,6 +169,8 @@ def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling:
         i, ds, tokens, nnz = carry
         # Merged inside the loop: the module lives in the loop body's trace.
         model = nnx.merge(graphdef, state)
+        if dense_ffn:
+            model = _with_dense_ffn(model)
         step = _with_layer_nnz(model.decode_step, n_layers, stats)
         (logits, cache), step_nnz = step(ds.token, ds.cache)
         token = sample_logits(logits, jax.random.fold_in(ds.key, ds.step), sampling)
@@ -170,8 +197,17 @@ def _generate(graphdef, state, prompts, lengths, key, stop, *, sampling: Samplin
                                                  stats=stats)
     if steps == 0:
         return first[:, None], nnz0[None]
-    _, tokens, nnz = generation_steps(graphdef, state, decode_state, steps, sampling=sampling,
-                                      chunk=steps, stats=stats)
+    run = lambda dense_ffn: generation_steps(graphdef, state, decode_state, steps,
+                                             sampling=sampling, chunk=steps, stats=stats,
+                                             dense_ffn=dense_ffn)[1:]
+    # Decided once, from the prefill's activity: a conditional around the loop, not in it.
+    dense = decode_runs_dense(nnx.merge(graphdef, state).cfg, nnz0, prompts.shape[0])
+    if dense is None:
+        tokens, nnz = run(False)
+    else:
+        tokens, nnz = jax.lax.cond(dense, lambda: run(True), lambda: run(False))
+    if not stats:
+        nnz0 = jnp.full_like(nnz0, jnp.nan)  # read only for the choice above
     return (jnp.concatenate([first[:, None], tokens], axis=1),
             jnp.concatenate([nnz0[None], nnz], axis=0))
 
@@ -310,11 +346,14 @@ def generate_chunks(model: Transformer, prompts, *, max_new_tokens: int, chunk_s
     decode_state, token, nnz = generation_start(graphdef, state, prompts, lengths, key, stop,
                                                 sampling=sampling, cache_len=cache_len)
     yield np.asarray(token)[:, None], np.asarray(nnz)[None]
+    dense = decode_runs_dense(model.cfg, nnz, prompts.shape[0])
+    dense_ffn = dense is not None and bool(dense)
     produced = 1
     while produced < max_new_tokens and not bool(np.all(np.asarray(decode_state.done))):
         n = min(chunk_size, max_new_tokens - produced)
         decode_state, tokens, nnz = generation_steps(graphdef, state, decode_state, jnp.int32(n),
-                                                     sampling=sampling, chunk=chunk_size)
+                                                     sampling=sampling, chunk=chunk_size,
+                                                     dense_ffn=dense_ffn)
         ran = int(decode_state.step) - produced
         produced += ran
         yield np.asarray(tokens)[:, :ran], np.asarray(nnz)[:ran]
