@@ -370,7 +370,7 @@ def _transposes_in_branches(weights: tuple[jax.Array, ...], config: TwELLConfig)
     (W_up + W_down 235 MB at D = 4096, F = 14336) one transpose moves ~235 MB (~80 us), three a
     forward + backward, and such layers go dense at most densities: there they are made in
     the branches."""
-    *ins, w_down = weights
+    w_down = weights[-1]
     f, d = w_down.shape
     return 2 * d * f * jnp.dtype(w_down.dtype).itemsize > config.cost_model.l2_bytes
 

@@ -52,7 +52,8 @@ from twell_jax.model.transformer import Transformer, build
 __all__ = [
     "CONFIGS", "FFN_INPUT_NAME", "PAD_TOKEN", "Attention", "Block", "DecodeState", "FFNInput",
     "KVCache", "ModelConfig", "RMSNorm", "Sampling", "Transformer", "activity_and_token_nnz",
-    "apply_rope", "apply_rope_at", "build", "decode_attention", "decode_runs_dense", "from_hf", "gate_preactivations",
-    "generate", "generate_chunks", "generation_start", "generation_steps", "hf_config",
-    "layer_stats", "loss_fn", "rope_tables", "sample_logits", "token_nnz", "unit_activity",
+    "apply_rope", "apply_rope_at", "build", "decode_attention", "decode_runs_dense", "from_hf",
+    "gate_preactivations", "generate", "generate_chunks", "generation_start", "generation_steps",
+    "hf_config", "layer_stats", "loss_fn", "rope_tables", "sample_logits", "token_nnz",
+    "unit_activity"
 ]
