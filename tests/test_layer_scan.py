@@ -61,10 +61,10 @@ def loss_and_grads(model, tokens, loop: bool):
     return loss, metrics, grads
 
 
-@pytest.mark.parametrize("implementation,remat", [("pallas", True), slow("reference", False),
-                                                  ("xla", True)])
-def test_scan_equals_the_loop_in_float32(implementation, remat):
-    model = model_lib.build("tiny", implementation=implementation, remat=remat, seed=3,
+@pytest.mark.parametrize("implementation", ["pallas", slow("reference"), "xla"])
+def test_scan_equals_the_loop_in_float32(implementation):
+    # A training forward scans only with remat (``run_blocks``).
+    model = model_lib.build("tiny", implementation=implementation, remat=True, seed=3,
                             dtype=jnp.float32, n_layers=3)
     tokens = jax.random.randint(jax.random.key(1), (2, 25), 0, 256)
     loss, metrics, grads = loss_and_grads(model, tokens, loop=False)
@@ -118,17 +118,28 @@ def test_prefill_and_activity_equal_the_loop_in_float32():
 def test_each_kernel_is_traced_once_whatever_the_depth(monkeypatch):
     tokens = jnp.zeros((1, 16), jnp.int32)
 
-    def kernels(n_layers: int) -> int:
-        model = model_lib.build("tiny", implementation="pallas", n_layers=n_layers)
+    def kernels(n_layers: int, remat: bool = True) -> int:
+        model = model_lib.build("tiny", implementation="pallas", n_layers=n_layers, remat=remat)
         jaxpr = jax.make_jaxpr(lambda m, t: model_lib.loss_fn(m, t, 0.01)[0])(model, tokens)
+        return str(jaxpr).count("pallas_call")
+
+    def prefill_kernels(n_layers: int) -> int:  # remat off: a prefill is never differentiated
+        model = model_lib.build("tiny", implementation="pallas", n_layers=n_layers)
+        cache = model.init_cache(1, 16)
+        jaxpr = jax.make_jaxpr(lambda t, n, c: model.prefill(t, n, c)[0])(
+            tokens, jnp.array([16]), cache)
         return str(jaxpr).count("pallas_call")
 
     one = kernels(1)
     assert one > 0
     assert kernels(4) == one
-    # Below the threshold the blocks run in a loop: each is traced on its own.
+    assert prefill_kernels(4) == prefill_kernels(1) > 0
+    # A training forward without remat runs the loop (a scan would stack every layer's
+    # residuals for the backward): each block is traced on its own.
+    assert kernels(4, remat=False) == 4 * kernels(1, remat=False)
+    # Below the threshold the blocks run in a loop too.
     monkeypatch.setattr(model_lib.layer_scan, "SCAN_MIN_TOKENS", 17)
-    assert kernels(4) == 4 * one
+    assert prefill_kernels(4) == 4 * prefill_kernels(1)
 
 
 @pytest.mark.slow  # a subprocess; the float32 comparisons stay in the fast tier
@@ -139,7 +150,8 @@ def test_scan_equals_the_loop_bitwise_in_bf16_without_excess_precision():
         from tests.test_layer_scan import loss_and_grads
         from twell_jax import model as model_lib
         model_lib.layer_scan.SCAN_MIN_TOKENS = 1
-        model = model_lib.build("tiny", implementation="pallas", seed=5, n_layers=3)
+        model = model_lib.build("tiny", implementation="pallas", seed=5, n_layers=3,
+                                remat=True)
         tokens = jax.random.randint(jax.random.key(3), (2, 17), 0, 256)
         a = loss_and_grads(model, tokens, loop=False)
         b = loss_and_grads(model, tokens, loop=True)

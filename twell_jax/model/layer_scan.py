@@ -85,10 +85,16 @@ compile once per layer, as before."""
 
 
 def run_blocks(model: nnx.Module, blocks: Sequence[Block], cfg: ModelConfig, step: Callable,
-               x: jax.Array) -> tuple[jax.Array, list]:
+               x: jax.Array, *, inference: bool = False) -> tuple[jax.Array, list]:
     """Runs ``step(block, x) -> (x, out)`` for every block in order: under one scan when
-    ``cfg.scan_layers`` and x holds at least ``SCAN_MIN_TOKENS`` tokens, else in a Python
-    loop.
+    ``cfg.scan_layers``, x holds at least ``SCAN_MIN_TOKENS`` tokens and either ``cfg.remat``
+    or ``inference`` (a call never differentiated, such as a prefill); else in a Python loop.
+
+    Why not a training forward without remat: differentiated, a scan saves each layer's
+    residuals into stacked buffers, a copy of every activation the backward keeps (H100, 0.5b,
+    8 x 2048 tokens, remat off: training step 104.4 -> 126.7 ms dense, 89.8 -> 105.5 ms sparse
+    under the scan; its prefill 29.6 -> 27.6 and 26.1 -> 24.5 ms). With remat the scan keeps
+    only what the policy names, and step times stay within 2-4% of the loop's.
 
     Args:
       model: the module that holds ``blocks`` (its capture, if any, is forwarded).
@@ -98,10 +104,12 @@ def run_blocks(model: nnx.Module, blocks: Sequence[Block], cfg: ModelConfig, ste
       step: called with each block in turn (under the scan, a block rebuilt from its layer's
         parameters).
       x: the carry (the residual stream [B, T, D]).
+      inference: the call is never differentiated (it may scan without remat).
     Returns:
       (x after the last block, the list of each block's ``out``).
     """
-    if cfg.scan_layers and x.size // x.shape[-1] >= SCAN_MIN_TOKENS:
+    if (cfg.scan_layers and (cfg.remat or inference)
+            and x.size // x.shape[-1] >= SCAN_MIN_TOKENS):
         x, outs = _scan(model, blocks, cfg, step, x)
         return x, [jax.tree.map(lambda a: a[layer], outs) for layer in range(len(blocks))]
     run = nnx.remat(step, policy=REMAT_POLICY) if cfg.remat else step

@@ -113,7 +113,7 @@ class Transformer(nnx.Module):
             h, k, v = block.prefill(h, cos, sin)
             return h, (k.astype(cache.k[0].dtype), v.astype(cache.v[0].dtype))
 
-        x, kv = run_blocks(self, self.blocks, self.cfg, step, x)
+        x, kv = run_blocks(self, self.blocks, self.cfg, step, x, inference=True)
         ks = [jax.lax.dynamic_update_slice(ck, k, (0, 0, 0, 0)) for ck, (k, _) in zip(cache.k, kv)]
         vs = [jax.lax.dynamic_update_slice(cv, v, (0, 0, 0, 0)) for cv, (_, v) in zip(cache.v, kv)]
         lengths = jnp.asarray(lengths, jnp.int32)
