@@ -61,7 +61,7 @@ def loss_and_grads(model, tokens, loop: bool):
     return loss, metrics, grads
 
 
-@pytest.mark.parametrize("implementation,remat", [("pallas", True), slow("reference", False),
+@pytest.mark.parametrize("implementation,remat", [slow("pallas", True), slow("reference", False),
                                                   ("xla", True)])
 def test_scan_equals_the_loop_in_float32(implementation, remat):
     model = model_lib.build("tiny", implementation=implementation, remat=remat, seed=3,
@@ -79,6 +79,7 @@ def test_scan_equals_the_loop_in_float32(implementation, remat):
         np.testing.assert_allclose(g, g_ref, rtol=2 * RTOL, atol=RTOL / 10)
 
 
+@pytest.mark.slow  # the fast tier keeps test_scan_equals_the_loop_in_float32[xla-True]
 def test_prefill_and_activity_equal_the_loop_in_float32():
     model = model_lib.build("tiny", implementation="pallas", seed=4, dtype=jnp.float32)
     tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
