@@ -41,6 +41,23 @@ def test_calibration_hits_the_target(bench):
     assert all(0.7 * target < n < 1.3 * target for n in stats["nnz_mean"]), stats["nnz_mean"]
 
 
+def test_smoke_xla_only(bench, tmp_path):
+    """The smallest run of the script: one implementation, no remat, one-token shapes."""
+    out = tmp_path / "bench.jsonl"
+    rows = bench.main(["--presets", "tiny", "--implementations", "xla", "--remat", "off",
+                       "--prefill", "1x8", "--train-batch", "1x8", "--decode", "1", "--runs", "1",
+                       "--out", str(out)])
+    assert not [r for r in rows if r["kind"] == "error"], rows
+    saved = [json.loads(line) for line in out.read_text().splitlines()]
+    assert saved[0]["kind"] == "header" and len(saved) == len(rows)
+    times = [r for r in rows if r["kind"] == "time"]
+    assert {(r["implementation"], r["mode"]) for r in times} == {
+        ("xla", m) for m in ("prefill", "decode", "train")}
+    assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in times)
+    assert all(math.isfinite(r["loss"]) for r in times if r["mode"] == "train")
+
+
+@pytest.mark.slow  # both implementations, both remat settings; the fast tier: test_smoke_xla_only
 def test_end_to_end_on_tiny(bench, tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     rows = bench.main(["--presets", "tiny", "--prefill", "2x32", "--train-batch", "2x32",

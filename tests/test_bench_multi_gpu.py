@@ -37,7 +37,7 @@ def test_bad_flags_exit(bench):
             bench.parse_args(flags)
 
 
-@pytest.mark.slow  # the multi-device step stays in the fast tier in test_sharding
+@pytest.mark.slow  # a subprocess with two fake devices, as test_sharding's step (slow too)
 def test_two_fake_devices(tmp_path):
     out = tmp_path / "bench.jsonl"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",

@@ -11,7 +11,7 @@ from pallas_kernels.decode_attention import (DecodeAttentionConfig, combine_part
                                              combine_partials_kernel,
                                              decode_attention, decode_attention_reference,
                                              default_decode_attention_config)
-from tests.utils import assert_close, seed_of
+from tests.utils import assert_close, seed_of, slow
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 SMALL = DecodeAttentionConfig(block_s=16, block_k=16, num_warps=1, num_stages=1)
@@ -49,12 +49,12 @@ def make_inputs(seed, b, s, n, n_kv, h, dtype):
     # GQA (G = 4), mixed positions: the first entry, the last one, inside a chunk.
     (3, 50, 8, 2, 64, [0, 49, 20], DecodeAttentionConfig(block_s=32, block_k=16,
                                                           num_warps=2), BF16),
-    (3, 50, 8, 2, 16, [17, 0, 49], SMALL, F32),
+    slow(3, 50, 8, 2, 16, [17, 0, 49], SMALL, F32),
     # G = 3 and H = 24 (both padded to powers of two in the kernel), default config.
-    (2, 33, 6, 2, 24, [32, 5], None, F32),
+    slow(2, 33, 6, 2, 24, [32, 5], None, F32),
     # G = 16: the dot path.
     (2, 40, 16, 1, 16, [39, 16], SMALL, BF16),
-    (2, 40, 16, 1, 16, [3, 31], SMALL, F32),
+    slow(2, 40, 16, 1, 16, [3, 31], SMALL, F32),
 ], ids=["mha-f32", "mha-pos0-bf16", "gqa-bf16", "gqa-h16-f32", "g3-h24-f32", "dot-bf16",
         "dot-f32"])
 def test_decode_attention_matches_numpy_and_reference(b, s, n, n_kv, h, positions, config,
@@ -71,7 +71,7 @@ def test_decode_attention_matches_numpy_and_reference(b, s, n, n_kv, h, position
     assert_close(got, ref, dtype, kind="kernel", what="kernel vs reference")
 
 
-@pytest.mark.parametrize("n,n_kv", [(8, 2), (16, 1)], ids=["gqa", "dot"])
+@pytest.mark.parametrize("n,n_kv", [(8, 2), slow(16, 1)], ids=["gqa", "dot"])
 def test_entries_after_the_position_do_not_matter(n, n_kv):
     """Huge values, inf and NaN after each sequence's position: the same output, bit for bit
     (whole chunks after the position are skipped, the partial chunk is masked)."""

@@ -88,6 +88,7 @@ def losses(out: pathlib.Path) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+@pytest.mark.slow  # two training subprocesses, twice
 def test_two_processes_train_like_one_and_survive_a_dead_peer(tmp_path):
     texts = tmp_path / "texts"
     texts.mkdir()

@@ -27,9 +27,14 @@ CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=
                         max_row_density=1.0, decode_rows=0)
 DECODE = dataclasses.replace(CONFIG, decode_rows=M)
 # The fast tier keeps one pattern (and mostly the gated form) of each parametrization below; the
-# others are marked slow (tests/utils.py: slow_unless). Every implementation and dtype stays.
+# others are marked slow (tests/utils.py: slow_unless).
 HEAVY_ONLY = slow_unless(["heavy_tailed"], PATTERNS)
 GATED_ONLY = [True, slow(False)]
+# Where a kernel path repeats what a cheaper case of the same test already shows, the fast
+# tier keeps one implementation or dtype (each kernel's numerics have their own kernel tests).
+REFERENCE_ONLY = slow_unless(["reference"], SPARSE_IMPLS)
+PALLAS_ONLY = slow_unless(["pallas"], SPARSE_IMPLS)
+F32_ONLY = slow_unless([jnp.float32], DTYPES)
 
 
 def _call(gated, x, weights, **kwargs):
@@ -37,7 +42,7 @@ def _call(gated, x, weights, **kwargs):
     return fn(x, *weights, **kwargs)
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
 @pytest.mark.parametrize("pattern", HEAVY_ONLY)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
@@ -112,6 +117,7 @@ def test_decode_path_runs_the_gate_on_gemv(dtype, pattern, gated):
         assert int(stats.heavy_rows) > 0  # heavy rows among them
 
 
+@pytest.mark.slow
 def test_decode_path_runs_the_decode_kernel_only_when_not_differentiated():
     """Traced jaxprs: the primal call holds ``twell_scan_up_down`` and no packing kernel; the
     gradient holds the list kernels (the sparse backward needs the lists) and no scan."""
@@ -125,7 +131,8 @@ def test_decode_path_runs_the_decode_kernel_only_when_not_differentiated():
     assert_close(grad(x), ref_grad, jnp.float32, what="grad through the decode-sized call")
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.slow
+@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
 def test_partial_sums_on_the_decode_path_only(gated):
     """``partial_sums=True``: the "pallas" decode path returns its float32 partial sums, which
     finished in order are the plain call's y bit for bit (same statistics); every other call
@@ -156,7 +163,7 @@ def test_partial_sums_on_the_decode_path_only(gated):
         jax.grad(loss)(x)
 
 
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+@pytest.mark.parametrize("implementation", REFERENCE_ONLY)
 def test_three_d_input_and_stats(implementation):
     x, *weights = make_ffn_inputs(7, 2 * 21, D, F, "heavy_tailed", jnp.float32)
     x3 = x.reshape(2, 21, D)
@@ -176,8 +183,8 @@ def test_three_d_input_and_stats(implementation):
 
 @pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
 @pytest.mark.parametrize("pattern", [slow("uniform"), "heavy_tailed", slow("dense_rows")])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+@pytest.mark.parametrize("dtype", F32_ONLY, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("implementation", PALLAS_ONLY)
 def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
     """All gradients, with the L1 term, against jax.vjp of the dense function."""
     x, *weights = make_ffn_inputs(seed_of(3, pattern), M, D, F, pattern, dtype, gated=gated)
@@ -202,7 +209,7 @@ def test_gradients_match_dense_vjp(implementation, dtype, pattern, gated):
 
 
 @pytest.mark.parametrize("route", [slow("lists"), "lists_and_backup", slow("dense")])
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
+@pytest.mark.parametrize("implementation", REFERENCE_ONLY + ["xla"])
 def test_float32_master_weights_with_bfloat16_activations(implementation, route):
     """Float32 weights, bf16 x (a model's master weights): the op computes with the weights
     rounded to bf16 and returns float32 weight gradients. The sparse op returns its kernels'
@@ -246,8 +253,8 @@ def test_float32_master_weights_with_bfloat16_activations(implementation, route)
 
 @pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
 @pytest.mark.parametrize("pattern", [slow("uniform"), "heavy_tailed", slow("zero_rows")])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS + ("xla",))
+@pytest.mark.parametrize("dtype", F32_ONLY, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("implementation", REFERENCE_ONLY + ["xla"])
 def test_gate_bias_forward_and_gradients(implementation, dtype, pattern, gated):
     """The threshold moved from a constant input feature into the bias: y, L1 and every
     gradient (the bias's included) against jax.vjp of the dense function with the bias."""
@@ -285,7 +292,7 @@ def test_bad_bias_raises():
         tj.mlp(x, w_up, w_down, b_up=jnp.zeros(F, jnp.int32))
 
 
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+@pytest.mark.parametrize("implementation", REFERENCE_ONLY)
 def test_backup_capacity_boundary_stays_exact(implementation):
     x, *weights = make_ffn_inputs(5, M, D, F, "dense_rows", jnp.float32)
     expected, _ = ffn_float64(x, *weights)
@@ -342,7 +349,8 @@ def test_backup_fills_its_room_with_the_densest_light_rows():
     assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
 
 
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", REFERENCE_ONLY)
 def test_more_than_half_the_rows_heavy_goes_dense(implementation):
     """Without a fixed capacity the backup holds up to M/2 rows; past that the whole batch
     takes the dense path (reusing the gate GEMM), reported as a dense fallback, not an
@@ -361,8 +369,9 @@ def test_more_than_half_the_rows_heavy_goes_dense(implementation):
         assert_close(y, ffn_float64(xs, *weights)[0], jnp.float32, what=f"{rows} rows")
 
 
-@pytest.mark.parametrize("route", ["lists_and_backup", slow("overflow_dense"), "density_dense"])
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+@pytest.mark.parametrize("route", ["lists_and_backup", slow("overflow_dense"),
+                                   slow("density_dense")])
+@pytest.mark.parametrize("implementation", PALLAS_ONLY)
 def test_gradients_on_every_route(implementation, route):
     """The backward takes the forward's branch (one ``lax.switch`` each way): the backup at
     exactly its capacity, the whole batch dense on overflow, and dense past the density
@@ -395,7 +404,7 @@ def test_gradients_on_every_route(implementation, route):
         assert_close(got, want, jnp.float32, kind="grad", what=f"{route} grad {i}")
 
 
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+@pytest.mark.parametrize("implementation", REFERENCE_ONLY)
 def test_deterministic(implementation):
     x, *weights = make_ffn_inputs(9, M, D, F, "heavy_tailed", jnp.bfloat16)
     run = jax.jit(lambda x, *w: tj.gated_mlp(x, *w, implementation=implementation, config=CONFIG))
@@ -416,7 +425,7 @@ def test_pallas_switches_to_dense_past_the_density_threshold():
         assert_close(y, expected, jnp.float32, what=f"threshold {threshold}")
 
 
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
+@pytest.mark.parametrize("implementation", REFERENCE_ONLY)
 def test_rows_over_the_row_cap_take_the_backup(implementation):
     x, *weights = make_ffn_inputs(8, M, D, F, "heavy_tailed", jnp.float32)
     gate = np.asarray(x, np.float64) @ np.asarray(weights[0], np.float64) > 0
@@ -430,6 +439,7 @@ def test_rows_over_the_row_cap_take_the_backup(implementation):
     assert_close(y, ffn_float64(x, *weights)[0], jnp.float32)
 
 
+@pytest.mark.slow
 def test_pallas_threshold_row_or_bias_compute_the_same_function():
     x, *weights = make_ffn_inputs(12, M, D, F, "heavy_tailed", jnp.bfloat16)
     # The same function with the threshold as a gate bias instead of w_gate's last row (x's
@@ -626,6 +636,7 @@ CAPPED = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=
 
 
 @pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, slow(3)], ids=["buckets", "fixed_capacity"])
 def test_mostly_heavy_batch_skips_the_lists_and_stays_exact(gated, capacity):
     """A batch whose rows are mostly over the row cap goes dense without being listed

@@ -109,7 +109,8 @@ def test_cached_decoding_matches_full_forward(dtype):
         np.testing.assert_allclose(stats["nnz_mean"][0], prompt_nnz, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow),
+                                   jnp.bfloat16], ids=["f32", "bf16"])
 def test_decode_kernels_match_xla(dtype):
     """``ModelConfig.decode_kernels``: the attention's few-row products on the Pallas kernels
     (interpret mode here) give the plain XLA model's logits at every step, and its tokens."""
@@ -254,6 +255,7 @@ def test_sparse_decode_step_adds_the_ffn_partial_sums_in_the_norm():
 SAMPLING = dict(temperature=0.9, top_k=50, top_p=0.95)
 
 
+@pytest.mark.slow
 def test_statistics_only_when_asked():
     """generate computes the FFN statistics only with return_stats: the tokens are the same,
     and the compiled decode loop without them has fewer reductions (the per-token counts')."""
@@ -281,6 +283,7 @@ def test_statistics_only_when_asked():
     assert reductions[False] < reductions[True], reductions
 
 
+@pytest.mark.slow
 def test_sampling_chunks_and_keys():
     model = model_lib.build("tiny", seed=4, implementation="xla")
     key = jax.random.key(11)
@@ -420,6 +423,7 @@ def test_script_random_tiny(script, capsys):
         script.main(["--prompt", "x" * 129], quiet=True)
 
 
+@pytest.mark.slow  # the script's fast smoke run: test_script_random_tiny
 def test_script_restores_train_checkpoint(script, tmp_path, capsys):
     with load_experiment("train") as train:
         corpus = train.Corpus(np.frombuffer(b"abcdefgh " * 200, np.uint8),

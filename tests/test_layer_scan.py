@@ -61,7 +61,7 @@ def loss_and_grads(model, tokens, loop: bool):
     return loss, metrics, grads
 
 
-@pytest.mark.parametrize("implementation", ["pallas", slow("reference"), "xla"])
+@pytest.mark.parametrize("implementation", [slow("pallas"), slow("reference"), "xla"])
 def test_scan_equals_the_loop_in_float32(implementation):
     # A training forward scans only with remat (``run_blocks``).
     model = model_lib.build("tiny", implementation=implementation, remat=True, seed=3,
@@ -79,6 +79,7 @@ def test_scan_equals_the_loop_in_float32(implementation):
         np.testing.assert_allclose(g, g_ref, rtol=2 * RTOL, atol=RTOL / 10)
 
 
+@pytest.mark.slow  # the fast tier keeps test_scan_equals_the_loop_in_float32[xla-True]
 def test_prefill_and_activity_equal_the_loop_in_float32():
     model = model_lib.build("tiny", implementation="pallas", seed=4, dtype=jnp.float32)
     tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)

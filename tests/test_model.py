@@ -113,7 +113,8 @@ def logits_and_metrics(model, x):
                     for name in ("nnz_mean", "heavy_rows", "dense_fallback")}
 
 
-@pytest.mark.parametrize("twell", [None, ALL_SPARSE], ids=["default", "all_sparse"])
+@pytest.mark.parametrize("twell", [pytest.param(None, marks=pytest.mark.slow), ALL_SPARSE],
+                         ids=["default", "all_sparse"])
 def test_implementations_agree_bf16(twell):
     """bf16 logits and nnz of every implementation match the dense "xla" model. With the
     default config every row is heavy at init (about half of 256 units active): the backup runs."""
@@ -139,7 +140,9 @@ def _set_gate_biases(model, seed):
         block.ffn.b_gate[...] = -jnp.abs(jax.random.normal(key, block.ffn.b_gate[...].shape))
 
 
-# Fast tier: no bias (test_gate_bias_params_features_and_activity covers the bias); with it: slow.
+# Slow (the fast tier takes a model's gradients in test_loss_and_grads_finite, and the sparse
+# backward against the dense one in tests/test_ffn.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("gate_bias", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["no_bias", "gate_bias"])
 def test_implementations_agree_f32_grads(gate_bias):
@@ -222,7 +225,8 @@ def test_mixed_precision_matmul(dtype, out_dtype, gemv_kernel):
     assert all(e.outvars[0].aval.dtype == jnp.float32 for e in backward)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16],
+                         ids=["f32", "bf16"])
 def test_few_row_matmuls(dtype):
     """``dense.few_row_matmuls`` (q, k and v in one GEMV launch): each output and every
     gradient as ``mixed_precision_matmul`` (XLA's GEMM) computes them one weight at a time."""
@@ -250,6 +254,7 @@ def test_few_row_matmuls(dtype):
         assert rel_err(g, ref) < tol
 
 
+@pytest.mark.slow
 def test_decode_kernels_differentiable():
     """A training batch of fewer than 8 token rows with ``decode_kernels`` takes the GEMV
     kernel in the attention projections (interpret mode here); its loss and gradients are the
@@ -325,6 +330,7 @@ def test_unit_activity():
 # Remat and training.
 
 
+@pytest.mark.slow
 def test_remat_same_loss_and_grads():
     """float32, so that the comparison is tight: in bf16 XLA fuses the recomputed block
     differently and single gradient entries differ by bf16 roundings. The plain model is the

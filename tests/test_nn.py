@@ -12,7 +12,7 @@ from flax import nnx
 import twell_jax
 from twell_jax import nn
 from twell_jax.inputs import with_threshold_row
-from tests.utils import TOLERANCES, assert_close
+from tests.utils import TOLERANCES, assert_close, slow_unless
 
 
 SPARSE_IMPLEMENTATIONS = ["reference", "pallas"]
@@ -86,7 +86,7 @@ def test_params_layout_and_dtypes(kind, param_dtype):
     assert not nnx.state(layer, nnx.Intermediate)  # nothing but parameters
 
 
-@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize("kind", slow_unless(["plain"], LAYERS))
 def test_gate_bias_is_a_param_that_thresholds_and_trains(kind):
     layer = LAYERS[kind](12, 40, implementation="reference", rngs=nnx.Rngs(0), gate_bias=True)
     bias = layer.b_gate if kind == "gated" else layer.b_up
@@ -262,7 +262,7 @@ def test_output_is_named_for_remat():
 # Training: a jitted nnx + optax step with the L1 penalty from the sown statistics.
 
 
-@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize("kind", slow_unless(["gated"], LAYERS))
 def test_train_step_decreases_loss(kind):
     d_model, d_ff, m = 16, 64, 64
     model = make_layer(kind, d_model, d_ff, "reference", density=0.1)

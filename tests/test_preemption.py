@@ -110,6 +110,7 @@ def assert_same_run(out: pathlib.Path, reference: pathlib.Path) -> None:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.mark.slow  # subprocesses: a reference run and three killed ones; in-process: test_train
 def test_sigkill_at_three_random_points_then_resume_matches(setup):
     out = setup["root"] / "chaos"
     rng = np.random.default_rng(1234)

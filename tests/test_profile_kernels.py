@@ -34,6 +34,20 @@ def test_kernel_kinds(prof, name, kind):
     assert prof.kind_of(name) == kind
 
 
+def test_smoke_xla_only(prof, tmp_path):
+    """The smallest run of the script: one implementation, one-token shapes, one decode step."""
+    out = tmp_path / "profile.jsonl"
+    rows = prof.main(["--presets", "tiny", "--implementations", "xla", "--prefill", "1x8",
+                      "--train", "1x8", "--decode-batch", "1", "--context", "8",
+                      "--decode-steps", "1", "--runs", "1", "--out", str(out)])
+    assert {(r["program"], r["implementation"]) for r in rows} == {
+        (p, "xla") for p in ("prefill", "train", "decode")}
+    assert all(r["wall_ms"] > 0 and r["profiled_wall_ms"] > 0 for r in rows)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["kind"] == "header" and len(lines) == 1 + len(rows)
+
+
+@pytest.mark.slow  # both implementations; the fast tier: test_smoke_xla_only
 def test_every_program_reported(prof, tmp_path, capsys):
     out = tmp_path / "profile.jsonl"
     rows = prof.main(["--presets", "tiny", "--implementations", "xla,pallas", "--prefill",
@@ -51,7 +65,7 @@ def test_every_program_reported(prof, tmp_path, capsys):
     assert "tiny decode pallas (per step)" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # a second profile_kernels run (test_every_program_reported is the smoke run)
+@pytest.mark.slow  # a second profile_kernels run (test_smoke_xla_only is the smoke run)
 def test_ffn_programs_reported_with_sources(prof, tmp_path):
     """``--ffn``: one FFN layer alone, forward and forward + backward, for each implementation;
     with no GPU the kernel tables are empty, so the source names are checked on the CPU HLO."""

@@ -80,7 +80,9 @@ def test_every_parameter_has_logical_axes():
 # In subprocesses with fake devices.
 
 
-# Fast tier: the reference implementation (the sparse lists, sharded); the others are slow.
+# Slow: a training step in a subprocess with four fake devices per case (the fast tier keeps
+# the mesh parsing and the logical axes above).
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", [pytest.param("xla", marks=pytest.mark.slow),
                                             "reference",
                                             pytest.param("pallas", marks=pytest.mark.slow)])

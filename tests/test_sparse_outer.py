@@ -47,11 +47,11 @@ def float64_outer(values, columns, row_nnz, b):
     return out
 
 
-# Fast tier: the hot-column pattern in cut pieces (the busiest case), every dtype, value count
-# and layout; the other patterns and whole columns are marked slow.
+# Fast tier: the hot-column pattern in cut pieces (the busiest case) in bf16, every value count
+# and layout; the other patterns, float32 and whole columns are marked slow.
 @pytest.mark.parametrize("pattern", slow_unless(["hot_column"],
                                                 ["uniform", "zero_rows", "full_rows", "hot_column"]))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [slow(jnp.float32), jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("n_values", [1, 2])
 @pytest.mark.parametrize("transposed", [False, True], ids=["FxD", "DxF"])
 @pytest.mark.parametrize("min_piece", [slow(64), 1], ids=["whole_columns", "cut_columns"])
@@ -148,6 +148,7 @@ def test_bad_arguments_raise():
         SparseOuterConfig(unroll=0)
 
 
+@pytest.mark.slow  # the sparse backward against the dense one: tests/test_ffn.py
 def test_backend_gradients_equal_the_reference_backend():
     m, d, f = 40, 72, 200  # nothing divides a block: the backend pads
     x, *weights = make_ffn_inputs(4, m, d, f, "heavy_tailed", jnp.bfloat16)

@@ -146,6 +146,7 @@ def _states_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # the fast tier's resume tests restore checkpoints
 def test_checkpoint_round_trip(train, text_dir, tmp_path):
     cfg = train.parse_args(TINY_FLAGS + ["--out-dir", str(tmp_path)])
     corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
@@ -162,6 +163,7 @@ def test_checkpoint_round_trip(train, text_dir, tmp_path):
     manager.close()
 
 
+@pytest.mark.slow  # fast tier: test_sigterm_in_process_saves_and_resumes_exactly resumes exactly
 def test_exact_resume(train, text_dir, tmp_path):
     corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
     flags = TINY_FLAGS + ["--ckpt-every", "2", "--eval-every", "0"]
