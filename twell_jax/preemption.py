@@ -17,6 +17,7 @@ caught; Orbax's write-to-a-temporary-folder-then-rename keeps the previous check
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -40,11 +41,23 @@ class StopSignals:
         self.signals = signals
         self.received: list[int] = []
         self._previous: dict[int, object] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._previous_wakeup_fd = -1
 
     def __enter__(self) -> "StopSignals":
         # Python installs signal handlers only from the main thread; elsewhere (a test driving
         # the loop from a worker thread) the default behaviour stays.
         if threading.current_thread() is threading.main_thread():
+            # Python runs the handlers of signals that arrived together in the order of their
+            # numbers, not of their arrival: a SIGTERM followed 10 ms later by a SIGINT, both
+            # pending while a step runs in XLA, would be read as a SIGINT. Its C-level handler
+            # writes each signal's number to the wakeup fd as it arrives, so the pipe holds the
+            # arrival order.
+            self._pipe = os.pipe()
+            for fd in self._pipe:
+                os.set_blocking(fd, False)
+            self._previous_wakeup_fd = signal.set_wakeup_fd(self._pipe[1],
+                                                            warn_on_full_buffer=False)
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._record)
         return self
@@ -53,9 +66,32 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
+
+    def _arrived(self) -> list[int]:
+        """The signal numbers written to the wakeup pipe since the last call, in arrival order."""
+        if self._pipe is None:
+            return []
+        data = b""
+        while True:
+            try:
+                chunk = os.read(self._pipe[0], 512)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        return [n for n in data if n in self.signals]
 
     def _record(self, signum: int, frame) -> None:
-        self.received.append(signum)
+        # Every pending signal is in the pipe before the first handler runs; the later handlers
+        # of the same batch find it empty.
+        arrived = self._arrived()
+        self.received.extend(arrived if arrived or self._pipe is not None else [signum])
 
     def agreed(self) -> int | None:
         """The signal every process stops for, or None to go on.
