@@ -217,8 +217,7 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
     ttft = time_call(first_token, cfg.runs)
     decode_state, first, prefill_nnz = first_token()
     # As generate decides: the decode loop runs the FFN dense if the prefill's activity says so.
-    dense = model_lib.decode_runs_dense(mcfg, prefill_nnz, batch)
-    dense_ffn = dense is not None and bool(dense)
+    dense_ffn = bool(model_lib.decode_runs_dense(mcfg, prefill_nnz, batch))
 
     def decode(n: int = steps, stats: bool = False):
         # n is traced and chunk static: every n runs the same compiled loop. Timed without

@@ -189,7 +189,7 @@ def test_decode_loop_runs_dense_when_the_prefill_says_so():
     """The decode loop runs its FFN layers dense when the prefill's activity says the decode
     path would cost more (here a fixed density threshold below the random model's ~half
     active units): the same tokens as the dense model, from ``generate`` and the stream, and
-    the choice is None where it cannot apply (no threshold and no GPU cost model)."""
+    the choice is False where it cannot apply (no threshold and no GPU cost model)."""
     prompts = [[1, 2, 3], [4, 5]]
     dense_decode = dataclasses.replace(ALL_SPARSE, dense_fallback_density=0.1)
     kw = dict(dtype=jnp.float32, seed=3, n_layers=1)
@@ -218,7 +218,7 @@ def test_decode_loop_runs_dense_when_the_prefill_says_so():
     for cfg in (dataclasses.replace(model.cfg, twell=ALL_SPARSE),  # threshold 1.0: never
                 dataclasses.replace(model.cfg, twell=None),  # cost model, interpret mode
                 dataclasses.replace(model.cfg, implementation="xla")):
-        assert model_lib.decode_runs_dense(cfg, stats["nnz_mean"][0], 2) is None
+        assert model_lib.decode_runs_dense(cfg, stats["nnz_mean"][0], 2) is False
 
 
 def _pallas_calls(jaxpr, name: str):

@@ -152,3 +152,21 @@ def test_sigterm_saves_names_the_checkpoint_and_exits_143(setup):
     assert proc.wait(timeout=300) == 0, output(out)[-3000:]
     assert f"resumed from step {step}" in output(out)
     assert_same_run(out, setup["reference"])
+
+
+def test_the_first_signal_to_arrive_wins_when_both_are_pending():
+    """Python runs pending handlers in signal-number order (SIGINT before SIGTERM); the stop
+    signal is the first to arrive, read from the wakeup fd: here SIGTERM, then SIGINT, written
+    as the C-level handler writes them, and the handlers run in Python's order."""
+    from twell_jax.preemption import StopSignals
+
+    with StopSignals() as signals:
+        os.write(signals._pipe[1], bytes([signal.SIGTERM, signal.SIGINT]))
+        signals._record(signal.SIGINT, None)
+        signals._record(signal.SIGTERM, None)
+        assert signals.received[0] == signal.SIGTERM
+        assert signals.agreed() == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGINT)  # a real signal while installed: recorded
+        time.sleep(0.05)
+        assert signals.received[-1] == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) != signals._record  # the old handler is back

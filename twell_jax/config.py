@@ -46,6 +46,13 @@ class CostModel:
         return max(4.0 * m * d * f / self.gemm_flops_per_s,
                    2.0 * d * f * itemsize / self.memory_bytes_per_s)
 
+    def sparse_costs_more(self, m: int, d: int, f: int, light_nnz, num_heavy, itemsize: int,
+                          margin: float = 1.0):
+        """[] bool: the sparse up/down (``sparse_up_down_seconds``) costs more than ``margin``
+        x two dense GEMMs of m rows (``dense_up_down_seconds``). Works on traced counts."""
+        sparse = self.sparse_up_down_seconds(d, f, light_nnz, num_heavy, itemsize)
+        return sparse > margin * self.dense_up_down_seconds(m, d, f, itemsize)
+
     def sparse_up_down_seconds(self, d: int, f: int, light_nnz, num_heavy, itemsize: int):
         """The sparse up/down: two gathered weight rows of d elements per entry of a light row
         (``light_nnz`` entries in all), plus the dense backup's three GEMMs on ``num_heavy``
@@ -142,6 +149,12 @@ class TwELLConfig:
     def num_tiles(self, d_ff: int) -> int:
         """Column tiles covering ``d_ff`` units (the last one padded)."""
         return -(-d_ff // self.tile_width)
+
+    def cost_model_decides(self, interpret: bool) -> bool:
+        """Whether ``cost_model`` routes: no fixed ``dense_fallback_density``, and the kernels
+        run compiled (``interpret`` False). Its rates are the device's; in interpret mode (no
+        GPU) the sparse kernels always run, so CPU users and CI exercise them."""
+        return self.dense_fallback_density is None and not interpret
 
     def max_row_nnz(self, d_ff: int) -> int:
         """Active units a row may have before it is heavy (at least one full tile's slots)."""

@@ -232,9 +232,8 @@ def _backup_rows(heavy: jax.Array, row_nnz_all: jax.Array, route: jax.Array,
 
 
 def _cost_model_decides(config: TwELLConfig) -> bool:
-    """The cost model holds device rates: it decides only when the kernels run compiled. In
-    interpret mode (no GPU) the sparse kernels always run, so CPU users and CI exercise them."""
-    return config.dense_fallback_density is None and not default_interpret()
+    """``TwELLConfig.cost_model_decides`` for the kernels as this process runs them."""
+    return config.cost_model_decides(default_interpret())
 
 
 def _cheaper_dense(row_nnz_all: jax.Array, heavy: jax.Array, x: jax.Array, f: int,
@@ -247,12 +246,10 @@ def _cheaper_dense(row_nnz_all: jax.Array, heavy: jax.Array, x: jax.Array, f: in
     if not _cost_model_decides(config):
         return jnp.asarray(False)
     m, d = x.shape
-    itemsize = jnp.dtype(x.dtype).itemsize
-    cost = config.cost_model
     light_nnz = jnp.sum(jnp.where(heavy, 0, row_nnz_all).astype(_F32))
     num_heavy = jnp.sum(heavy.astype(_F32))
-    sparse = cost.sparse_up_down_seconds(d, f, light_nnz, num_heavy, itemsize)
-    return sparse > cost.dense_up_down_seconds(m, d, f, itemsize)
+    return config.cost_model.sparse_costs_more(m, d, f, light_nnz, num_heavy,
+                                               jnp.dtype(x.dtype).itemsize)
 
 
 def _sparse_never_pays(m: int, d: int, f: int, dtype, config: TwELLConfig) -> bool:
@@ -688,8 +685,8 @@ def decode_runs_dense(implementation: Implementation, nnz_mean: jax.Array, rows:
                       d_model: int, d_ff: int, dtype, config: TwELLConfig | None = None):
     """Whether a decode loop should run its FFN layers dense, from their measured activity:
     ``nnz_mean`` [L] (the layers' mean active units per token, e.g. a prefill's) for decode
-    steps of ``rows`` token rows. Returns a [] bool array, or None where the answer is always
-    no (a dense implementation or a sparse one without a dense route, a decode-sized call
+    steps of ``rows`` token rows. Returns a [] bool array, or False where the answer is always
+    no, known from the shapes (a dense implementation or a sparse one without a dense route, a decode-sized call
     that does not take the decode path, ``dense_fallback_density=1.0``, or the cost model in
     interpret mode, where the kernels always run).
 
@@ -704,7 +701,7 @@ def decode_runs_dense(implementation: Implementation, nnz_mean: jax.Array, rows:
     threshold = config.dense_fallback_density
     if (not backend.cost_model_routes or not _uses_decode(backend, rows, config)
             or threshold == 1.0 or (threshold is None and not _cost_model_decides(config))):
-        return None
+        return False
     density = jnp.asarray(nnz_mean, _F32) / d_ff
     if threshold is not None:
         return jnp.any(density > threshold)

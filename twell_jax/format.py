@@ -117,9 +117,8 @@ def sampled_cost_says_dense(pre: jax.Array, config: TwELLConfig, d_ff: int, d_mo
     scale = m / active.shape[0]
     light_nnz = scale * jnp.sum(jnp.where(heavy, 0, active).astype(jnp.float32))
     num_heavy = scale * jnp.sum(heavy.astype(jnp.float32))
-    cost = config.cost_model
-    sparse = cost.sparse_up_down_seconds(d_model, d_ff, light_nnz, num_heavy, itemsize)
-    return sparse > margin * cost.dense_up_down_seconds(m, d_model, d_ff, itemsize)
+    return config.cost_model.sparse_costs_more(m, d_model, d_ff, light_nnz, num_heavy, itemsize,
+                                               margin)
 
 
 def heavy_row_index(heavy: jax.Array, capacity: int) -> jax.Array:

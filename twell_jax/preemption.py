@@ -88,10 +88,9 @@ class StopSignals:
         return [n for n in data if n in self.signals]
 
     def _record(self, signum: int, frame) -> None:
-        # Every pending signal is in the pipe before the first handler runs; the later handlers
-        # of the same batch find it empty.
-        arrived = self._arrived()
-        self.received.extend(arrived if arrived or self._pipe is not None else [signum])
+        # Every pending signal is in the pipe before the first handler runs, in arrival order;
+        # the later handlers of the same batch find it empty and add their own signal after.
+        self.received.extend(self._arrived() or [signum])
 
     def agreed(self) -> int | None:
         """The signal every process stops for, or None to go on.

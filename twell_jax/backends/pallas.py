@@ -65,7 +65,7 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
     # returns at once instead of reading the 184 MB pre-activation (M = 16384, F = 5632) for
     # nothing, and the dense branch takes the statistics from ``pre`` (``ffn._twell_forward``).
     skipped = mostly_heavy(pre, config, f)
-    if config.dense_fallback_density is None and not kernels_common.default_interpret():
+    if config.cost_model_decides(kernels_common.default_interpret()):
         # Compiled, the cost model routes: a batch it clearly sends dense (a sample of rows
         # says so) skips the pack too. (M = 16384, 1% uniform: ~40% of the rows heavy, so not
         # mostly heavy, yet dense by the cost model: the pack's read of ``pre`` was for nothing.)

@@ -114,13 +114,13 @@ def _with_layer_nnz(fn, n_layers: int, stats: bool):
 def decode_runs_dense(cfg, nnz_mean, batch: int):
     """Whether the decode loop runs the FFN layers dense, from the prefill's per-layer
     ``nnz_mean`` [n_layers] and the batch: ``twell_jax.ffn.decode_runs_dense`` for this model
-    ([] bool, or None where it never does)."""
+    ([] bool array, or False where it never does: ``bool()`` of either answers on the host)."""
     return ffn.decode_runs_dense(cfg.implementation, nnz_mean, batch, cfg.d_model, cfg.d_ff,
                                  cfg.dtype, cfg.twell)
 
 
 def _may_run_dense(cfg, batch: int) -> bool:
-    return decode_runs_dense(cfg, np.zeros((cfg.n_layers,), np.float32), batch) is not None
+    return decode_runs_dense(cfg, np.zeros((cfg.n_layers,), np.float32), batch) is not False
 
 
 def _with_dense_ffn(model: Transformer) -> Transformer:
@@ -202,7 +202,7 @@ def _generate(graphdef, state, prompts, lengths, key, stop, *, sampling: Samplin
                                              dense_ffn=dense_ffn)[1:]
     # Decided once, from the prefill's activity: a conditional around the loop, not in it.
     dense = decode_runs_dense(nnx.merge(graphdef, state).cfg, nnz0, prompts.shape[0])
-    if dense is None:
+    if dense is False:
         tokens, nnz = run(False)
     else:
         tokens, nnz = jax.lax.cond(dense, lambda: run(True), lambda: run(False))
@@ -346,8 +346,7 @@ def generate_chunks(model: Transformer, prompts, *, max_new_tokens: int, chunk_s
     decode_state, token, nnz = generation_start(graphdef, state, prompts, lengths, key, stop,
                                                 sampling=sampling, cache_len=cache_len)
     yield np.asarray(token)[:, None], np.asarray(nnz)[None]
-    dense = decode_runs_dense(model.cfg, nnz, prompts.shape[0])
-    dense_ffn = dense is not None and bool(dense)
+    dense_ffn = bool(decode_runs_dense(model.cfg, nnz, prompts.shape[0]))
     produced = 1
     while produced < max_new_tokens and not bool(np.all(np.asarray(decode_state.done))):
         n = min(chunk_size, max_new_tokens - produced)
