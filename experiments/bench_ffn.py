@@ -21,8 +21,10 @@ For each case (shape x sparsity pattern) it checks both paths against float64 (n
 of rows, heavy rows included) before timing, then times the jitted forwards: median over
 ``--runs`` batches after warm-up, each batch ~25 ms of calls queued back to back and
 synchronised once with ``block_until_ready`` (``time_ms``; a lone call's latency beside it).
-Beside the dense ``"xla"`` path it times three plain bf16 ``nnx.Linear`` layers (a user's dense
-FFN), and the stages alone (XLA's gate GEMM, ``row_pack``, ``row_up_down``) with bytes and
+The sparse path gets its weights stored [F, D], one row per unit, made once
+(``twell_jax.prepare_weights``), as the layers store them; the dense ``"xla"`` path is timed on
+the Flax layout (the ratios' baseline) and on [F, D]. Beside them it times three plain bf16
+``nnx.Linear`` layers (a user's dense FFN), and the stages alone (XLA's gate GEMM, ``row_pack``, ``row_up_down``) with bytes and
 rates, so a missed target can be traced to a stage (knob sweeps: ``tools/bench_stages.py``).
 Decode sizes (M <= ``decode_rows``, forward only) are timed per call inside an on-device loop
 over 4 layers' weights (``decode_loop``): one call from Python would time the host's dispatch.
@@ -150,9 +152,14 @@ def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
                 timed=f"per call, on-device loop of {DECODE_STEPS} x {DECODE_LAYERS} layers")
 
     op = lambda impl: (lambda x, *w: tj.gated_mlp(x, *w, implementation=impl, config=config))
+    # The sparse FFN on weights stored [F, D], made once (as the layers store them).
+    prepared = lambda impl: (lambda x, *w: tj.feed_forward(
+        x, tj.FFNWeights(*w), implementation=impl, config=config))
     op_layers = [op_weights(args, *weights) for weights in layers]
+    unit_rows = [tuple(tj.prepare_weights(*weights)) for weights in op_layers]
     measure("xla dense FFN", op("xla"), op_layers)
-    measure("pallas TwELL FFN", op("pallas"), op_layers)
+    measure("xla dense FFN, weights [F, D]", prepared("xla"), unit_rows)
+    measure("pallas TwELL FFN", prepared("pallas"), unit_rows)
     measure("flax: three bf16 nnx.Linear layers", flax_dense_mlp, op_layers)
     measure("stage: xla gate GEMM (x @ w_gate, bf16 out)",
             lambda x, g, u, d: jnp.dot(x, g)[:, :x.shape[1]], layers, check=False)
@@ -189,19 +196,23 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     # like. The statistics are timed beside them, on both paths: they cost a pass over the
     # [M, F] activity on the dense path, and on the sparse one where it made no lists
     # (0.12-0.19 ms at 2% uniform on the H100).
-    ffn = lambda implementation, stats: jax.jit(lambda *a: tj.gated_mlp(
-        *a, implementation=implementation, config=config, return_stats=stats))
+    # The sparse FFN gets its weights stored [F, D], made once, as the layers store them
+    # (``tj.prepare_weights``); the dense rows both layouts.
+    ffn = lambda implementation, stats, cfg=config: jax.jit(lambda x, *w: tj.feed_forward(
+        x, tj.FFNWeights(*w), implementation=implementation, config=cfg, return_stats=stats))
     weights = op_weights(args, w_gate, w_up, w_down)
+    unit_rows = tuple(tj.prepare_weights(*weights))
     sparse_with_stats = ffn("pallas", True)
-    fallback = bool(sparse_with_stats(x, *weights)[1].dense_fallback)
-    measure("xla dense FFN", ffn("xla", False), x, *weights)
-    measure("pallas TwELL FFN", ffn("pallas", False), x, *weights, fallback=fallback)
-    measure("xla dense FFN, with statistics", ffn("xla", True), x, *weights)
-    measure("pallas TwELL FFN, with statistics", sparse_with_stats, x, *weights,
+    fallback = bool(sparse_with_stats(x, *unit_rows)[1].dense_fallback)
+    plain = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="xla", config=config))
+    measure("xla dense FFN", plain, x, *weights)
+    measure("pallas TwELL FFN", ffn("pallas", False), x, *unit_rows, fallback=fallback)
+    measure("xla dense FFN, weights [F, D]", ffn("xla", False), x, *unit_rows)
+    measure("xla dense FFN, with statistics", ffn("xla", True), x, *unit_rows)
+    measure("pallas TwELL FFN, with statistics", sparse_with_stats, x, *unit_rows,
             fallback=fallback)
     no_switch = dataclasses.replace(config, dense_fallback_density=1.0)
-    forced = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="pallas", config=no_switch))
-    measure("pallas TwELL FFN, sparse forced", forced, x, *weights)
+    measure("pallas TwELL FFN, sparse forced", ffn("pallas", False, no_switch), x, *unit_rows)
     flax_mlp = jax.jit(lambda *a: flax_dense_mlp(*a))
     measure("flax: three bf16 nnx.Linear layers", flax_mlp, x, *weights)
 
@@ -245,7 +256,7 @@ def run_backward_stages(case: Case, x, weights, dy, config: tj.TwELLConfig, timi
     w_gate, w_up, w_down = (w.astype(x.dtype) for w in weights)
     pre, pack = _gate_and_pack(x, w_gate, config)
     values, columns, row_nnz = _light_lists(pack(pre), config, case.f)
-    w_up_t, w_gate_t = jnp.asarray(w_up.T), jnp.asarray(w_gate.T)
+    w_up_t, w_gate_t = tj.prepare_weights(w_gate, w_up, w_down)[1::-1]
     _, up, _ = jax.jit(row_up_down)(x, w_up_t, w_down, values, columns, row_nnz)
     l1 = jnp.float32(1e-4 / case.m)
     row_bytes = int(jnp.sum(row_nnz)) * case.d * x.dtype.itemsize  # one D-row per entry
@@ -262,8 +273,7 @@ def run_backward_stages(case: Case, x, weights, dy, config: tj.TwELLConfig, timi
           values, up, columns, row_nnz, l1, bytes=3 * row_bytes)
     _, du, dg = backward(dy, w_down, w_up_t, w_gate_t, values, up, columns, row_nnz, l1)
     f = case.f
-    outer_x = jax.jit(lambda a, b, c, n, b_rows: sparse_outer((a, b), c, n, b_rows, f,
-                                                              transposed=True))
+    outer_x = jax.jit(lambda a, b, c, n, b_rows: sparse_outer((a, b), c, n, b_rows, f))
     stage("stage: sparse_outer dW_gate + dW_up (column sort in)", outer_x, dg, du, columns,
           row_nnz, x, bytes=row_bytes)
     outer_dy = jax.jit(lambda a, c, n, b_rows: sparse_outer((a,), c, n, b_rows, f))
@@ -318,35 +328,47 @@ def run_backward_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
     timing = dict(runs=args.runs, min_batch_ms=args.min_batch_ms)
     results = []
 
-    def loss_of(implementation, cfg):
-        def loss(x, wg, wu, wd):
-            y, st = tj.gated_mlp(x, wg, wu, wd, implementation=implementation, config=cfg,
-                                 return_stats=True)
-            return jnp.sum(f32(y) * f32(dy)) + l1_coeff * st.l1
-        return loss
+    # The plain dense FFN on the Flax layout; every other row on weights stored [F, D], made
+    # once (``tj.prepare_weights``), as the layers store them: their dW_gate and dW_up come
+    # back [F, D] and are compared transposed.
+    unit_rows = (x, *tj.prepare_weights(*inputs[1:]))
 
-    def measure(label, implementation, cfg=config):
+    def ffn_of(implementation, cfg, flax_layout):
+        if flax_layout:
+            return functools.partial(tj.gated_mlp, implementation=implementation, config=cfg)
+        return lambda x, wg, wu, wd, **kw: tj.feed_forward(
+            x, tj.FFNWeights(wg, wu, wd), implementation=implementation, config=cfg, **kw)
+
+    def measure(label, implementation, cfg=config, flax_layout=False):
         def measure_into(row):
-            loss = loss_of(implementation, cfg)
+            ffn = ffn_of(implementation, cfg, flax_layout)
+
+            def loss(x, wg, wu, wd):
+                y, st = ffn(x, wg, wu, wd, return_stats=True)
+                return jnp.sum(f32(y) * f32(dy)) + l1_coeff * st.l1
+
+            args_in = inputs if flax_layout else unit_rows
             step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-            got = step(*inputs)
+            got = list(step(*args_in))
+            if not flax_layout:
+                got[1], got[2] = got[1].T, got[2].T
             # The FFN's own residuals (the loss's product with dy saves dy: not the FFN's).
-            row.update(residual_bytes(functools.partial(
-                tj.gated_mlp, implementation=implementation, config=cfg), *inputs))
+            row.update(residual_bytes(ffn, *args_in))
             for name, g, w in zip(names, got, want):
                 g = np.asarray(f32(g), np.float64)
                 w = np.asarray(w, np.float64)
                 row[f"rel_err_{name}"] = float(np.linalg.norm(g - w) / np.linalg.norm(w)) \
                     if np.all(np.isfinite(g)) else float("nan")
-            row.update(time_ms(step, *inputs, **timing))
+            row.update(time_ms(step, *args_in, **timing))
             if results and "residual_bytes" in results[0]:
                 row["residuals_vs_xla"] = row["residual_bytes"] / max(
                     results[0]["residual_bytes"], 1)
 
         return _record(case, label, results, emit, measure_into, kind="time_fwd_bwd")
 
-    measure("xla dense FFN fwd+bwd", "xla")
+    measure("xla dense FFN fwd+bwd", "xla", flax_layout=True)
     measure("pallas TwELL FFN fwd+bwd", "pallas")
+    measure("xla dense FFN fwd+bwd, weights [F, D]", "xla")
     measure("pallas TwELL FFN fwd+bwd, sparse forced", "pallas",
             cfg=dataclasses.replace(config, dense_fallback_density=1.0))
     if case.m <= 4096:  # the jnp reference is slow at training sizes: small cases only

@@ -77,8 +77,9 @@ def forward_and_backward(ffn: Callable) -> Callable:
     return fn
 
 
-def sparse_ffn(x, w_gate, w_up, w_down):
-    return tj.gated_mlp(x, w_gate, w_up, w_down, implementation="pallas")
+def sparse_ffn(x, gate, up, down):
+    """The sparse FFN on weights stored [F, D] (``tj.prepare_weights``, made once per cell)."""
+    return tj.feed_forward(x, tj.FFNWeights(gate, up, down), implementation="pallas")
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,13 +101,15 @@ def measure_cell(d: int, f: int, m: int, density: float, backward: bool,
            "pass": "forward+backward" if backward else "forward",
            "nnz_mean": float(counts.mean()), "nnz_max": int(counts.max())}
     loops = timed_loops(backward, args.repeats)
+    # The dense FFN on the Flax layout, the sparse one on its own ([F, D], made once).
+    inputs = {"dense": weights, "sparse": tuple(tj.prepare_weights(*weights))}
     # Each loop returns repeats x the output of one call on x: compare those before timing.
-    outs = {k: np.asarray(loop(x, *weights), np.float32) for k, loop in loops.items()}
+    outs = {k: np.asarray(loop(x, *inputs[k]), np.float32) for k, loop in loops.items()}
     row["rel_err_vs_dense"] = float(np.linalg.norm(outs["sparse"] - outs["dense"])
                                     / max(float(np.linalg.norm(outs["dense"])), 1e-30))
     row["finite"] = bool(np.isfinite(outs["sparse"]).all())
     for label, loop in loops.items():
-        t = time_ms(loop, x, *weights, runs=args.runs, min_batch_ms=1.0)
+        t = time_ms(loop, x, *inputs[label], runs=args.runs, min_batch_ms=1.0)
         row[f"{label}_ms"] = t["median_ms"] / args.repeats
     row["ratio"] = row["dense_ms"] / row["sparse_ms"]
     return row

@@ -87,16 +87,17 @@ def build_layer(cfg: Defaults, implementation: str, seed: int) -> nn.SparseGated
     """The same parameters for a given seed, whatever the implementation."""
     layer = nn.SparseGatedMLP(cfg.d_model, cfg.d_ff, implementation=implementation,
                               rngs=nnx.Rngs(seed))
-    # About cfg.density of the units active on gaussian_rows inputs (the bias trick).
-    layer.w_gate[...] = with_threshold_row(layer.w_gate[...], cfg.density)
+    # About cfg.density of the units active on gaussian_rows inputs (the bias trick; the
+    # layer stores w_gate [F, D], one row per unit, so the threshold is its last column).
+    layer.w_gate[...] = with_threshold_row(layer.w_gate[...].T, cfg.density).T
     return layer
 
 
 def numpy_reference(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray,
                     w_down: np.ndarray) -> np.ndarray:
-    """The gated FFN in float64 numpy."""
+    """The gated FFN in float64 numpy, on the layer's weights (each [F, D])."""
     x, w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down))
-    return (np.maximum(x @ w_gate, 0.0) * (x @ w_up)) @ w_down
+    return (np.maximum(x @ w_gate.T, 0.0) * (x @ w_up.T)) @ w_down
 
 
 def _forward_fn(layer: nnx.Module):

@@ -11,7 +11,9 @@ at decode. This kernel is built around the weight read:
 * The grid is (column blocks of F, K splits). Program (j, s) reads the [block_k, block_f]
   tiles of ``w`` (row-major [D, F]: each tile row is ``block_f`` contiguous values, so loads
   are coalesced) for its columns and its share of D, ``block_k`` rows per step of a loop that
-  Triton pipelines (``num_stages``). Every weight value is read by exactly one program.
+  Triton pipelines (``num_stages``). Every weight value is read by exactly one program. A
+  weight stored one row per output unit ([F, D], the sparse FFN's layout: ``unit_rows``) is
+  read as [block_f, block_k] tiles of ``block_k`` contiguous values, transposed in registers.
 * Few column blocks (F / block_f ~ 44) would leave most of the 132 SMs idle, so D can be split
   over a second grid axis (``k_splits``): each split writes float32 partial sums
   [splits, M, F] that the wrapper adds in a fixed order (deterministic) before the bias. The
@@ -62,15 +64,15 @@ def _load(ref, mask):
 
 def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, steps: int,
                  weights: tuple[tuple[int, int, int, int], ...], has_bias: bool, fused: bool,
-                 mask_k: bool, precision):
+                 mask_k: bool, unit_rows: bool, precision):
     """One program: columns [b * block_f, +block_f) of one weight, where ``program_id(0)``
     is that weight's first block plus b, and D rows [s * steps * block_k, +steps * block_k)
     for s = ``program_id(1)``.
 
     ``weights`` holds, per weight matrix, (its first block, its block count, its F, its first
     output column): several products of one x share a launch, each program reading one
-    weight's tile (a branch per weight). Refs (whole arrays): x [M, D], the weights [D, F_i],
-    [bias [F_0], one weight only]; output: [M, sum F_i] in x.dtype (``fused``: the only split,
+    weight's tile (a branch per weight). Refs (whole arrays): x [M, D], the weights [D, F_i]
+    ([F_i, D] with ``unit_rows``), [bias [F_0], one weight only]; output: [M, sum F_i] in x.dtype (``fused``: the only split,
     bias added) or partial sums [S, M, sum F_i] float32.
     """
     n_w = len(weights)
@@ -106,7 +108,11 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
             if m_pad == m and not mask_k:
                 x_mask = None
             xk = _load(x_ref.at[rows, (k0 + k_lane)[None, :]], x_mask)
-            wk = _load(w_ref.at[pl.ds(k0, block_k), pl.ds(col0, block_f)], w_mask)
+            if unit_rows:  # a [block_f, block_k] tile: each unit's row is contiguous
+                wk = _load(w_ref.at[pl.ds(col0, block_f), pl.ds(k0, block_k)],
+                           None if w_mask is None else w_mask.T).T
+            else:
+                wk = _load(w_ref.at[pl.ds(k0, block_k), pl.ds(col0, block_f)], w_mask)
             return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32,
                                  precision=precision)
 
@@ -182,16 +188,19 @@ def default_gemv_config(m: int, d: int, f: int) -> GemvConfig:
                       num_stages=3)
 
 
-def _check_args(x, w, bias) -> tuple[int, int, int]:
-    """Shapes and dtypes of :func:`gemv`'s inputs; returns (M, D, F)."""
+def _check_args(x, w, bias, unit_rows: bool = False) -> tuple[int, int, int]:
+    """Shapes and dtypes of :func:`gemv`'s inputs (w [D, F], or [F, D] with ``unit_rows``);
+    returns (M, D, F)."""
+    layout = "[F, D]" if unit_rows else "[D, F]"
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [M, D], got shape {x.shape}")
     if w.ndim != 2:
-        raise ValueError(f"w must be 2-D [D, F], got shape {w.shape}")
+        raise ValueError(f"w must be 2-D {layout}, got shape {w.shape}")
     m, d = x.shape
-    if w.shape[0] != d:
-        raise ValueError(f"w has shape {w.shape}, expected ({d}, F) for x of shape {x.shape}")
-    f = w.shape[1]
+    w_d, f = (w.shape[1], w.shape[0]) if unit_rows else w.shape
+    if w_d != d:
+        expected = f"(F, {d})" if unit_rows else f"({d}, F)"
+        raise ValueError(f"w has shape {w.shape}, expected {expected} for x of shape {x.shape}")
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got M={m}")
     if d < 1 or f < 1:
@@ -209,14 +218,15 @@ def _check_args(x, w, bias) -> tuple[int, int, int]:
 
 
 def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
-               config: GemvConfig | None, interpret: bool | None, allow_fused: bool):
-    """The kernel on ``x`` [M, D] and weights ``ws`` ([D, F_i], one dtype): ``[M, sum F_i]``
-    in x.dtype (one D split and ``allow_fused``; bias added) or float32 partial sums
-    ``[S, M, sum F_i]`` (bias not added)."""
-    m, d, _ = _check_args(x, ws[0], bias)
+               config: GemvConfig | None, interpret: bool | None, allow_fused: bool,
+               unit_rows: bool = False):
+    """The kernel on ``x`` [M, D] and weights ``ws`` ([D, F_i], or [F_i, D] with
+    ``unit_rows``; one dtype): ``[M, sum F_i]`` in x.dtype (one D split and ``allow_fused``;
+    bias added) or float32 partial sums ``[S, M, sum F_i]`` (bias not added)."""
+    m, d, _ = _check_args(x, ws[0], bias, unit_rows)
     for w in ws[1:]:
-        _check_args(x, w, None)
-    widths = [w.shape[1] for w in ws]
+        _check_args(x, w, None, unit_rows)
+    widths = [w.shape[0] if unit_rows else w.shape[1] for w in ws]
     config = default_gemv_config(m, d, max(widths)) if config is None else config
     m_pad = max(16, next_pow2(m))
     total_steps = -(-d // config.block_k)
@@ -234,7 +244,7 @@ def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
     kernel = functools.partial(
         _gemv_kernel, m=m, d=d, m_pad=m_pad, block_k=config.block_k, block_f=config.block_f,
         steps=steps, weights=tuple(weights), has_bias=has_bias, fused=fused,
-        mask_k=splits * steps * config.block_k != d, precision=precision)
+        mask_k=splits * steps * config.block_k != d, unit_rows=unit_rows, precision=precision)
     out_shape = (jax.ShapeDtypeStruct((m, out_col0), x.dtype) if fused
                  else jax.ShapeDtypeStruct((splits, m, out_col0), jnp.float32))
     return pl.pallas_call(
@@ -253,6 +263,7 @@ def gemv(
     w: jax.Array,
     bias: jax.Array | None,
     *,
+    unit_rows: bool = False,
     config: GemvConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -260,7 +271,8 @@ def gemv(
 
     Args:
       x: [M, D] with 1 <= M <= 64; bfloat16, float16 or float32.
-      w: [D, F] row-major, x's dtype.
+      w: [D, F] row-major, x's dtype; with ``unit_rows``, [F, D] (one row per output unit, the
+        sparse FFN's layout) and the product is ``x @ w.T``.
       bias: [F] (any float dtype, added in float32 before the rounding) or None.
       config: ``default_gemv_config(M, D, F)`` when None. D and F need not be multiples
         of the blocks.
@@ -269,7 +281,7 @@ def gemv(
       pre [M, F] in x.dtype: ``(x @ w (float32) + bias (float32)).astype(x.dtype)``, as
       ``twell_jax.dense.gate_pre_activation`` computes it for decode-sized M.
     """
-    out = _gemv_call(x, (w,), bias, config, interpret, allow_fused=True)
+    out = _gemv_call(x, (w,), bias, config, interpret, allow_fused=True, unit_rows=unit_rows)
     return out if out.ndim == 2 else finish_partial_sums(out, bias, x.dtype)
 
 
@@ -277,14 +289,16 @@ def gemv_partial_sums(
     x: jax.Array,
     w: jax.Array,
     *,
+    unit_rows: bool = False,
     config: GemvConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """``x @ w`` for few rows as float32 partial sums over the D splits, unsummed: [S, M, F]
     (S = 1 when D is not split). For a consumer that adds them itself (``scan_up_down`` reads
     the FFN gate so, saving the launch that would add them): ``finish_partial_sums(out, bias,
-    x.dtype)`` equals ``gemv(x, w, bias)`` up to the order of the float32 sum."""
-    return _gemv_call(x, (w,), None, config, interpret, allow_fused=False)
+    x.dtype)`` equals ``gemv(x, w, bias, unit_rows=unit_rows)`` up to the order of the float32
+    sum."""
+    return _gemv_call(x, (w,), None, config, interpret, allow_fused=False, unit_rows=unit_rows)
 
 
 def gemv_many_partial_sums(
@@ -324,11 +338,12 @@ def gemv_many(
     return tuple(out[:, a:b] for a, b in zip(edges[:-1], edges[1:]))
 
 
-def gemv_reference(x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+def gemv_reference(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
+                   unit_rows: bool = False) -> jax.Array:
     """Plain-jnp :func:`gemv` (same arguments and output): a float32 dot at highest
     precision plus the float32 bias, rounded once to x.dtype."""
-    _check_args(x, w, bias)
-    pre = jnp.dot(x, w, preferred_element_type=jnp.float32,
+    _check_args(x, w, bias, unit_rows)
+    pre = jnp.dot(x, w.T if unit_rows else w, preferred_element_type=jnp.float32,
                   precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
         pre = pre + bias.astype(jnp.float32)

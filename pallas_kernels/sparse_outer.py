@@ -38,7 +38,7 @@ from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_in
 
 
 def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, block_d: int,
-                         n_values: int, transposed: bool, unit_blocks: int, unroll: int):
+                         n_values: int, unit_blocks: int, unroll: int):
     """One program: pieces [i * block_f, +block_f) x features [j * block_d, +block_d).
 
     Pieces [0, F) are the units' first pieces: programs i < ``unit_blocks`` store their tiles
@@ -47,7 +47,7 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
 
     Refs (whole arrays): per piece its first sorted entry and size [P] int32; rows [E] int32
     (entry rows sorted by unit); n_values sorted values [E]; b [M, D]; then n_values outputs
-    [F, D] float32 ([D, F] when ``transposed``) and n_values partial sums [P - F, D] float32.
+    [F, D] float32 and n_values partial sums [P - F, D] float32.
     Each loop step takes ``unroll`` entries of every piece, their loads issued together: more
     gathers in flight per program (faster on the H100).
     """
@@ -89,10 +89,7 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
     @pl.when(i < unit_blocks)
     def _():
         for acc, o_ref in zip(accs, out_refs):
-            if transposed:  # block_f contiguous units per feature row: the store is still wide
-                o_ref[features, pieces] = acc.T
-            else:
-                o_ref[pieces, features] = acc
+            o_ref[pieces, features] = acc
 
     # Later pieces: partial sums, stored only by a block that holds some (most blocks are
     # padding: the rows are allocated for F / 2 later pieces; the piece-adding kernel reads
@@ -105,7 +102,7 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
 
 
 def _add_pieces_kernel(busy_ref, first_ref, count_ref, *refs, block_h: int, block_d: int,
-                       n_values: int, transposed: bool, d_ff: int):
+                       n_values: int, d_ff: int):
     """One program: busy units [i * block_h, +block_h) x features [j * block_d, +block_d):
     each unit's output row += its later pieces' partial sums, in piece order.
 
@@ -126,12 +123,8 @@ def _add_pieces_kernel(busy_ref, first_ref, count_ref, *refs, block_h: int, bloc
     mask = jnp.broadcast_to(ok[:, None], (block_h, block_d))
     # Masked lanes aim out of range too: the interpreter applies masked scatters everywhere.
     rows = jnp.where(ok, units, d_ff)
-    if transposed:
-        at = lambda ref: ref.at[dcols.T, rows[None, :]]
-        accs = tuple(plgpu.load(at(r), mask=mask.T, other=0.0).T for r in in_refs)
-    else:
-        at = lambda ref: ref.at[rows[:, None], dcols]
-        accs = tuple(plgpu.load(at(r), mask=mask, other=0.0) for r in in_refs)
+    at = lambda ref: ref.at[rows[:, None], dcols]
+    accs = tuple(plgpu.load(at(r), mask=mask, other=0.0) for r in in_refs)
 
     def step(k, accs):
         valid = k < count
@@ -142,10 +135,7 @@ def _add_pieces_kernel(busy_ref, first_ref, count_ref, *refs, block_h: int, bloc
 
     accs = jax.lax.fori_loop(0, jnp.max(count), step, accs)
     for acc, o_ref in zip(accs, out_refs):
-        if transposed:
-            plgpu.store(at(o_ref), acc.T, mask=mask.T)
-        else:
-            plgpu.store(at(o_ref), acc, mask=mask)
+        plgpu.store(at(o_ref), acc, mask=mask)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -179,10 +169,10 @@ class SparseOuterConfig:
 def default_sparse_outer_config(f: int, d: int, n_values: int = 1) -> SparseOuterConfig:
     """8 units x 512 features, 8 warps, 2 entries of each unit a step, for one values array;
     256 features for two or more (one float32 accumulator tile per array). Measured on the
-    H100 (M = 16384, D = 2048, F = 5632, 28 entries per row,
-    each call with its column sort): two arrays transposed 0.53 ms against 0.72 for the
-    16 x 256, 4-warp, one-entry blocks before (0.57-0.60 with 8 units or 8 warps or two
-    entries alone), one array 0.45 against 0.51; smaller gains on the trained model's counts.
+    H100 (M = 16384, D = 2048, F = 5632, 28 entries per row, each call with its column
+    sort; the two-array outputs then stored [D, F]): two arrays 0.53 ms against 0.72 for 16 x
+    256, 4-warp, one-entry blocks (0.57-0.60 with 8 units or 8 warps or two entries alone),
+    one array 0.45 against 0.51; smaller gains on the trained model's counts.
     Blocks shrink to the largest power of two dividing f / d."""
     return SparseOuterConfig(block_f=largest_pow2_divisor(f, 8),
                              block_d=largest_pow2_divisor(d, 512 if n_values == 1 else 256))
@@ -293,7 +283,6 @@ def sparse_outer(
     d_ff: int,
     *,
     config: SparseOuterConfig | None = None,
-    transposed: bool = False,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, ...]:
     """Transposed products of a row-compacted pattern with a dense b.
@@ -306,13 +295,11 @@ def sparse_outer(
       d_ff: F, the number of output rows.
       config: block sizes; ``default_sparse_outer_config`` when None. Requires
         d_ff % block_f == 0 and D % block_d == 0 (the caller pads).
-      transposed: write each output as [D, d_ff] (dW of a weight stored [D, F]: the
-        kernel stores its tiles transposed instead of XLA transposing the result, a
-        ~90 us copy per output at D = 2048, F = 5632 on the H100).
       interpret: run the Pallas interpreter (None: iff no GPU).
 
     Returns:
-      A tuple of [d_ff, D] float32 ([D, d_ff] when ``transposed``), one per values array.
+      A tuple of [d_ff, D] float32, one per values array (the gradient of a weight stored
+      [F, D], one row per unit, as every FFN weight is: ``twell_jax.layout``).
     """
     m, k, d = _check_args(values, columns, row_nnz, b, d_ff)
     if config is None:
@@ -327,14 +314,14 @@ def sparse_outer(
     pieces = column_pieces(starts, counts, config.min_piece, n_later)
     rows = order // k
     sorted_values = [v.reshape(-1)[order] for v in values]
-    shape = (d, d_ff) if transposed else (d_ff, d)
+    shape = (d_ff, d)
     # One stage: Triton's pipelining of the k loop gained nothing (2 stages: the same times
     # on the H100); the loop's loads are data-dependent gathers.
     params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
     interpret = resolve_interpret(interpret)
     out = pl.pallas_call(
         functools.partial(_sparse_outer_kernel, block_f=block_f, block_d=block_d, n_values=n,
-                          transposed=transposed, unit_blocks=d_ff // block_f,
+                          unit_blocks=d_ff // block_f,
                           unroll=config.unroll),
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _ in values]
         + [jax.ShapeDtypeStruct((n_later, d), jnp.float32) for _ in values],
@@ -347,7 +334,7 @@ def sparse_outer(
     # The busy units' rows: their first piece's sum plus their later pieces' partial sums.
     return tuple(pl.pallas_call(
         functools.partial(_add_pieces_kernel, block_h=block_f, block_d=block_d, n_values=n,
-                          transposed=transposed, d_ff=d_ff),
+                          d_ff=d_ff),
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _ in values],
         grid=(n_later // block_f, d // block_d),
         input_output_aliases={3 + n + i: i for i in range(n)},

@@ -340,7 +340,8 @@ def test_backup_fills_its_room_with_the_densest_light_rows():
     # In a call: the filled rows leave the lists (row_nnz 0) and the result stays exact.
     x, *weights = make_ffn_inputs(3, M, D, F, "heavy_tailed", jnp.float32)
     config = dataclasses.replace(CONFIG, backup_rows=None)
-    (y, stats), residuals = ffn._twell_forward(x, tuple(weights), None, True, "pallas", config)
+    (y, stats), residuals = ffn._twell_forward(x, tuple(tj.prepare_weights(*weights)), None, True,
+                                                    "pallas", config)
     heavy = int(stats.heavy_rows)
     size = min(s for s in ffn._backup_sizes(M, config) if s >= heavy)
     backup = np.asarray(residuals.backup)
@@ -522,34 +523,6 @@ def test_differentiated_small_calls_run_dense_autodiff_on_gpu(monkeypatch, gated
     assert "twell_scan_up_down" in str(jax.make_jaxpr(primal)(x))
 
 
-@pytest.mark.parametrize("gated", GATED_ONLY, ids=["gated", "plain"])
-@pytest.mark.parametrize("implementation", SPARSE_IMPLS)
-def test_transposes_in_the_branches_change_nothing(implementation, gated):
-    """Weights past the L2 have their transposes made in the route's sparse branches (a batch
-    routed dense skips them): y and every gradient equal the transposes-outside build's bit
-    for bit, on a pattern with heavy rows in the backup."""
-    x, *weights = make_ffn_inputs(seed_of("transposes", gated), M, D, F, "heavy_tailed",
-                                  jnp.float32, gated=gated)
-    inside = dataclasses.replace(CONFIG, cost_model=tj.config.CostModel(l2_bytes=0.0))
-    assert ffn._transposes_in_branches(tuple(weights), inside)
-    assert not ffn._transposes_in_branches(tuple(weights), CONFIG)
-
-    def value_and_grads(config):
-        def loss(x, weights):
-            y, stats = _call(gated, x, weights, implementation=implementation, config=config,
-                             return_stats=True)
-            return jnp.sum(y * jnp.cos(y)), stats
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, weights)
-
-    (value, stats), grads = value_and_grads(inside)
-    (want_value, want_stats), want_grads = value_and_grads(CONFIG)
-    assert int(stats.heavy_rows) > 0
-    for got, want in zip(jax.tree.leaves((value, grads)), jax.tree.leaves((want_value,
-                                                                            want_grads))):
-        assert bool(jnp.all(jnp.isfinite(got)))
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
 def test_path_for_names_the_path_a_call_takes(monkeypatch):
     bf16 = jnp.bfloat16
     assert ffn.path_for("xla", 8, 2048, 5632, bf16) == "dense"
@@ -581,7 +554,8 @@ def test_nan_propagates_like_dense():
 def test_residuals_hold_no_dense_hidden():
     """The backward keeps packed activations only: no saved array has F columns."""
     x, *weights = make_ffn_inputs(2, M, D, F, "heavy_tailed", jnp.float32)
-    _, residuals = ffn._twell_forward(x, tuple(weights), None, True, "reference", CONFIG)
+    _, residuals = ffn._twell_forward(x, tuple(tj.prepare_weights(*weights)), None, True,
+                                           "reference", CONFIG)
     for name, value in residuals._asdict().items():
         if name in ("x", "params", "weights", "bias"):  # the inputs (weights: cast)
             continue
@@ -589,7 +563,8 @@ def test_residuals_hold_no_dense_hidden():
     assert residuals.gate_values.shape == (M, CONFIG.row_slots(F))
     # With a row cap, the lists keep only the slots a light row can fill.
     capped = dataclasses.replace(CONFIG, max_row_density=0.05)
-    _, residuals = ffn._twell_forward(x, tuple(weights), None, True, "reference", capped)
+    _, residuals = ffn._twell_forward(x, tuple(tj.prepare_weights(*weights)), None, True,
+                                           "reference", capped)
     assert residuals.gate_values.shape == residuals.columns.shape == (M, capped.max_row_nnz(F))
     assert residuals.up_values.shape == (M, capped.max_row_nnz(F))
 

@@ -72,6 +72,15 @@ def test_gemv_matches_numpy_and_reference(m, d, f, config, bias, dtype):
         got = np.asarray(pre, np.float32)
         assert np.array_equal(got[clear] > 0, want[clear] > 0)
         assert 0.0 < np.mean(want > 0) < 0.2
+    # The weight stored one row per unit ([F, D], the FFN's layout): the same sums, read
+    # transposed.
+    w_rows = jnp.asarray(w.T)
+    pre_rows = gemv(x, w_rows, b, config=config, unit_rows=True)
+    assert pre_rows.shape == (m, f) and pre_rows.dtype == dtype
+    assert_close(pre_rows, want, dtype, kind="ffn", what="gemv on [F, D] vs numpy float64")
+    assert_close(pre_rows, pre, dtype, kind="kernel", what="gemv on [F, D] vs on [D, F]")
+    assert_close(gemv_reference(x, w_rows, b, unit_rows=True), want, dtype, kind="ffn",
+                 what="reference on [F, D] vs numpy float64")
 
 
 @pytest.mark.parametrize("m", [1, 5])
@@ -80,12 +89,14 @@ def test_gate_pre_activation_on_gemv(m, dtype):
     """``dense.gate_pre_activation``'s few-row biased product on ``gemv`` (its path on a GPU
     below 8 rows) against the float32 form it replaces and float64, forward and gradients."""
     rng = np.random.default_rng(seed_of("gate_on_gemv", m, str(dtype)))
-    x, w, b = make_inputs(m, 200, 330, dtype, "threshold", rng)
+    x, w_flax, b = make_inputs(m, 200, 330, dtype, "threshold", rng)
+    w = jnp.asarray(w_flax.T)  # the FFN's layout: [F, D]
     b = b.astype(dtype)
     on_gemv = dense.gate_pre_activation(x, w, b, kernel=True)
     plain = dense.gate_pre_activation(x, w, b, kernel=False)
     assert on_gemv.shape == (m, 330) and on_gemv.dtype == dtype
-    assert_close(on_gemv, numpy_gate(x, w, b), dtype, kind="ffn", what="gemv gate vs float64")
+    assert_close(on_gemv, numpy_gate(x, w_flax, b), dtype, kind="ffn",
+                 what="gemv gate vs float64")
     assert_close(on_gemv, plain, dtype, kind="kernel", what="gemv gate vs the float32 form")
     cotangent = jnp.asarray(rng.standard_normal((m, 330)), jnp.float32)
 

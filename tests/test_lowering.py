@@ -128,11 +128,9 @@ def test_row_backward_lowers(gated):
 
 
 @pytest.mark.parametrize("n_values", [1, 2])
-@pytest.mark.parametrize("transposed", [False, True], ids=["FxD", "DxF"])
-def test_sparse_outer_lowers(n_values, transposed):
+def test_sparse_outer_lowers(n_values):
     def fn(columns, row_nnz, b, *values):
-        return sparse_outer(values, columns, row_nnz, b, F, transposed=transposed,
-                            interpret=False)
+        return sparse_outer(values, columns, row_nnz, b, F, interpret=False)
 
     module = export_for_cuda(fn, S((M, K), jnp.int32), S((M,), jnp.int32), S((M, D), BF16),
                              *[S((M, K), jnp.float32)] * n_values)
@@ -203,10 +201,11 @@ def test_gemv_many_lowers():
 
 def test_scan_up_down_on_partial_sums_lowers():
     """The decode FFN: the gate's GEMV partial sums read by the scan (bias added there)."""
-    def fn(x, w_in, bias, w_up_t, w_down):
-        gate = GatePartials(gemv_partial_sums(x, w_in, interpret=False), bias, x.dtype)
-        return scan_up_down(gate, x, w_up_t, w_down, interpret=False)
+    def fn(x, w_in, bias, w_up, w_down):  # every weight [F, D], the FFN's layout
+        gate = GatePartials(gemv_partial_sums(x, w_in, unit_rows=True, interpret=False), bias,
+                            x.dtype)
+        return scan_up_down(gate, x, w_up, w_down, interpret=False)
 
     w = S((F, D), BF16)
-    module = export_for_cuda(fn, S((1, D), BF16), S((D, F), BF16), S((F,), jnp.float32), w, w)
+    module = export_for_cuda(fn, S((1, D), BF16), w, S((F,), jnp.float32), w, w)
     assert "twell_scan_up_down" in module and "twell_gemv" in module

@@ -314,7 +314,7 @@ def test_layer_stats_in_layer_order():
 def test_unit_activity():
     model = model_lib.build("tiny", implementation="xla")
     w = model.blocks[0].ffn.w_gate
-    w[...] = w[...].at[:, :10].set(0.0)  # these units' gates are exactly 0: never active
+    w[...] = w[...].at[:10].set(0.0)  # these units' gates ([F, D] rows) are 0: never active
     act = nnx.jit(model_lib.unit_activity)(model, tokens((2, 16)))
     assert act.shape == (TINY.n_layers, TINY.d_ff) and act.dtype == jnp.bool_
     assert not np.any(act[0, :10])

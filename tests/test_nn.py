@@ -18,9 +18,10 @@ from tests.utils import TOLERANCES, assert_close, slow_unless
 SPARSE_IMPLEMENTATIONS = ["reference", "pallas"]
 ALL_IMPLEMENTATIONS = SPARSE_IMPLEMENTATIONS + ["xla"]
 LAYERS = {"gated": nn.SparseGatedMLP, "plain": nn.SparseMLP}
+# Every weight is stored [F, D], one row per unit; name -> (shape, fan_in).
 PARAM_SHAPES = {
-    "gated": lambda d, f: {"w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)},
-    "plain": lambda d, f: {"w_up": (d, f), "w_down": (f, d)},
+    "gated": lambda d, f: {"w_gate": ((f, d), d), "w_up": ((f, d), d), "w_down": ((f, d), f)},
+    "plain": lambda d, f: {"w_up": ((f, d), d), "w_down": ((f, d), f)},
 }
 
 def make_layer(kind: str, d_model: int, d_ff: int, implementation: str, seed: int = 0,
@@ -32,7 +33,7 @@ def make_layer(kind: str, d_model: int, d_ff: int, implementation: str, seed: in
                          **kwargs)
     if density is not None:
         gate = layer.w_gate if kind == "gated" else layer.w_up
-        gate[...] = with_threshold_row(gate[...], density)
+        gate[...] = with_threshold_row(gate[...].T, density).T  # [F, D]: the last column
     return layer
 
 
@@ -56,9 +57,10 @@ def call(layer, x):
 
 
 @jax.jit(static_argnames=("implementation",))
-def functional_gated_mlp(x, w_gate, w_up, w_down, implementation):
-    return twell_jax.gated_mlp(x, w_gate, w_up, w_down, implementation=implementation,
-                               return_stats=True)
+def functional_ffn(x, gate, up, down, implementation):
+    """The functional op on a gated layer's weights ([F, D] each)."""
+    return twell_jax.feed_forward(x, twell_jax.FFNWeights(gate, up, down),
+                                  implementation=implementation, return_stats=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -73,14 +75,14 @@ def test_params_layout_and_dtypes(kind, param_dtype):
     params = nnx.state(layer, nnx.Param)
     expected = PARAM_SHAPES[kind](12, 42)
     assert set(params.keys()) == set(expected)
-    for name, shape in expected.items():
+    for name, (shape, _) in expected.items():
         w = getattr(layer, name)
         assert isinstance(w, nnx.Param), name
         assert w[...].shape == shape, name
         assert w[...].dtype == jnp.dtype(param_dtype), name
-    # lecun-normal init: standard deviation 1 / sqrt(fan_in), fan_in the first axis.
+    # lecun-normal init: standard deviation 1 / sqrt(fan_in), fan_in D for w_gate and w_up.
     big = LAYERS[kind](256, 512, implementation="reference", rngs=nnx.Rngs(0))
-    for name, (fan_in, _) in PARAM_SHAPES[kind](256, 512).items():
+    for name, (_, fan_in) in PARAM_SHAPES[kind](256, 512).items():
         std = float(jnp.std(getattr(big, name)[...]))
         assert abs(std * np.sqrt(fan_in) - 1.0) < 0.05, (name, std)
     assert not nnx.state(layer, nnx.Intermediate)  # nothing but parameters
@@ -138,7 +140,7 @@ def test_bad_config_type_raises():
 
 def test_wrong_input_width_raises():
     layer = nn.SparseGatedMLP(8, 16, implementation="reference", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="w_gate has shape"):
+    with pytest.raises(ValueError, match=r"x has shape \(4, 9\).*d_model = 8"):
         layer(jnp.ones((4, 9)))
 
 
@@ -162,7 +164,7 @@ def test_forced_compute_dtype():
     y = call(layer, x)
     assert y.dtype == jnp.bfloat16
     # Same as the functional op on bf16-rounded inputs and weights.
-    expected, _ = functional_gated_mlp(
+    expected, _ = functional_ffn(
         x.astype(jnp.bfloat16),
         *(w[...].astype(jnp.bfloat16) for w in (layer.w_gate, layer.w_up, layer.w_down)),
         implementation="reference")
@@ -216,7 +218,7 @@ def test_stats_are_sown_and_match_functional_op(implementation):
     y, stats_list = captured(layer, x)
     (stats,) = stats_list
     assert isinstance(stats, twell_jax.FFNStats)
-    y_fn, stats_fn = functional_gated_mlp(
+    y_fn, stats_fn = functional_ffn(
         x, layer.w_gate[...], layer.w_up[...], layer.w_down[...], implementation=implementation)
     np.testing.assert_array_equal(y, y_fn)
     for name, a, b in zip(twell_jax.FFNStats._fields, stats, stats_fn):

@@ -97,8 +97,8 @@ def test_step_on_2x2_mesh_matches_one_device(implementation):
     r = result[implementation]
     single, sharded = r["single"], r["sharded"]
     assert r["mesh"].startswith("data=2 x fsdp=2 over 4 cpu devices"), r["mesh"]
-    # FSDP: w_gate [D, F] split along F, its Adam moment alike; counters replicated.
-    assert r["spec"]["w_gate"] == r["spec"]["w_gate_mu"] == [None, "fsdp"]
+    # FSDP: w_gate [F, D] split along F, its Adam moment alike; counters replicated.
+    assert r["spec"]["w_gate"] == r["spec"]["w_gate_mu"] == ["fsdp", None]
     assert r["spec"]["embedding"] == ["fsdp", None]  # [256, 64]: vocab, the larger
     assert r["spec"]["step"] == []
     assert sharded["shard_map"] and not single["shard_map"]
@@ -128,7 +128,7 @@ def test_checkpoints_resume_and_move_between_device_counts(tmp_path):
     task = {"full": str(tmp_path / "full"), "split": str(tmp_path / "split"),
             "npz": str(tmp_path / "state.npz")}
     saved = run_worker({"task": "save", "mesh": "data=2,fsdp=2", **task}, 4)
-    assert saved["step"] == 4 and saved["w_gate_spec"] == [None, "fsdp"]
+    assert saved["step"] == 4 and saved["w_gate_spec"] == ["fsdp", None]
     # --resume on the 2 x 2 mesh follows the uninterrupted run exactly.
     assert len(saved["losses"]["full"]) == 4
     assert saved["losses"]["split"] == saved["losses"]["full"]
@@ -136,6 +136,6 @@ def test_checkpoints_resume_and_move_between_device_counts(tmp_path):
     restored = run_worker({"task": "restore", "meshes": [["", 1], ["fsdp=2", 2]], **task},
                           2)["restored"]
     assert [r["devices"] for r in restored] == [1, 2]
-    assert [r["w_gate_spec"] for r in restored] == [[None, None], [None, "fsdp"]]
+    assert [r["w_gate_spec"] for r in restored] == [[None, None], ["fsdp", None]]
     for r in restored:
         assert r["step"] == 4 and r["max_abs_diff"] == 0.0, r

@@ -6,7 +6,7 @@ Times, in one process: the dense FFN as a user writes it (three bf16 GEMMs; the 
 ``nnx.Linear`` layers), ``implementation="xla"`` and ``"pallas"``, XLA's bare gate GEMM, the
 packing pass (``row_pack``) and the up/down kernel (``row_up_down``) with several knob settings
 (``--stages forward``), and the backward's dW kernel (``sparse_outer``: one or two values
-arrays, [F, D] or transposed [D, F] outputs) with several blocks (``--stages outer``), each
+arrays, [F, D] outputs) with several blocks (``--stages outer``), each
 checked before it is timed. One JSON line per measurement; a table last.
 """
 
@@ -117,8 +117,8 @@ def run(case_name: str, runs: int, emit, stages: tuple[str, ...] = ("forward",))
 
 def outer_variants(case_name, x, wg, cfg, slots, measure, emit) -> None:
     """``sparse_outer`` as the backward runs it: dW_down from one values array against dy
-    (``n1``), dW_gate and dW_up from two against x (``n2``), [F, D] or transposed outputs;
-    each variant checked against the default blocks' [F, D] result."""
+    (``n1``), dW_gate and dW_up from two against x (``n2``), [F, D] outputs; each variant
+    checked against the default blocks' result."""
     m, d = x.shape
     f = wg.shape[1]
     pre = jnp.dot(x, wg)
@@ -131,21 +131,18 @@ def outer_variants(case_name, x, wg, cfg, slots, measure, emit) -> None:
     for n in (1, 2):
         vals = (values.astype(jnp.float32), second)[:n]
         want = jax.jit(lambda v, c, r, b: sparse_outer(v, c, r, b, f))(vals, columns, row_nnz, x)
-        for transposed in (False, True):
-            for bf, bd, warps, unroll in OUTER_VARIANTS:
-                if f % bf or d % bd:  # blocks that do not divide this case's shape
-                    continue
-                conf = SparseOuterConfig(block_f=bf, block_d=bd, num_warps=warps, unroll=unroll)
-                fn = jax.jit(lambda v, c, r, b, conf=conf, t=transposed: sparse_outer(
-                    v, c, r, b, f, config=conf, transposed=t))
-                got = fn(vals, columns, row_nnz, x)
-                for g, w in zip(got, want):
-                    g = g.T if transposed else g
-                    assert bool(jnp.allclose(g, w, rtol=1e-5, atol=1e-5)), (conf, transposed)
-                # gathered rows of b (bf16) + the [F, D] float32 outputs written
-                nbytes = entries * d * 2 + n * f * d * 4
-                measure("outer", f"n{n}_{'DxF' if transposed else 'FxD'}_f{bf}_d{bd}_w{warps}"
-                        f"_u{unroll}", fn, vals, columns, row_nnz, x, nbytes=nbytes)
+        for bf, bd, warps, unroll in OUTER_VARIANTS:
+            if f % bf or d % bd:  # blocks that do not divide this case's shape
+                continue
+            conf = SparseOuterConfig(block_f=bf, block_d=bd, num_warps=warps, unroll=unroll)
+            fn = jax.jit(lambda v, c, r, b, conf=conf: sparse_outer(v, c, r, b, f, config=conf))
+            got = fn(vals, columns, row_nnz, x)
+            for g, w in zip(got, want):
+                assert bool(jnp.allclose(g, w, rtol=1e-5, atol=1e-5)), conf
+            # gathered rows of b (bf16) + the [F, D] float32 outputs written
+            nbytes = entries * d * 2 + n * f * d * 4
+            measure("outer", f"n{n}_FxD_f{bf}_d{bd}_w{warps}_u{unroll}", fn, vals, columns,
+                    row_nnz, x, nbytes=nbytes)
 
 
 def main(argv=None):

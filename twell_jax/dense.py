@@ -14,14 +14,72 @@ from twell_jax import sharding
 _K_MULTIPLE = 64  # the GEMM's contraction length is padded to this (tensor-core friendly)
 
 
+def dot_rows(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """``x @ w.T`` for x [..., D] and w [F, D] stored one row per unit (the FFN weights'
+    layout, ``twell_jax.layout``): [..., F], float32 accumulation, in ``out_dtype`` (x.dtype
+    when None). One ``dot_general`` contracting both operands' last axis: no transpose of w
+    is asked for, and a GEMM reads either operand order."""
+    return _dot_rows(x, w, jnp.dtype(out_dtype or x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dot_rows(x, w, out_dtype):
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=out_dtype)
+
+
+def _dot_rows_fwd(x, w, out_dtype):
+    return _dot_rows(x, w, out_dtype), (x, w)
+
+
+def _dot_rows_bwd(out_dtype, residuals, g):
+    """Autodiff's two products, written so that dw comes out [F, D] as w is stored (JAX's own
+    rule makes it [D, F] and transposes it: a weight-sized copy per call)."""
+    x, w = residuals
+    lead = tuple(range(x.ndim - 1))
+    dx = jax.lax.dot_general(g, w, (((x.ndim - 1,), (0,)), ((), ())),
+                             preferred_element_type=x.dtype)
+    dw = jax.lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=w.dtype)
+    return dx, dw
+
+
+_dot_rows.defvjp(_dot_rows_fwd, _dot_rows_bwd)
+
+
+@jax.custom_vjp
+def dot_down(h: jax.Array, w: jax.Array) -> jax.Array:
+    """``h @ w`` for h [..., F] and the down projection w [F, D]: [..., D] in h.dtype, float32
+    accumulation. Its backward writes dw [F, D] directly (JAX's own rule makes [D, F] and
+    transposes it)."""
+    return jax.lax.dot_general(h, w, (((h.ndim - 1,), (0,)), ((), ())),
+                               preferred_element_type=h.dtype)
+
+
+def _dot_down_fwd(h, w):
+    return dot_down(h, w), (h, w)
+
+
+def _dot_down_bwd(residuals, g):
+    h, w = residuals
+    lead = tuple(range(h.ndim - 1))
+    dh = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
+                             preferred_element_type=h.dtype)
+    dw = jax.lax.dot_general(h, g, ((lead, lead), ((), ())), preferred_element_type=w.dtype)
+    return dh, dw
+
+
+dot_down.defvjp(_dot_down_fwd, _dot_down_bwd)
+
+
 def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
                         kernel: bool | None = None) -> jax.Array:
-    """``x @ w + bias`` [M, F] in x.dtype, float32 accumulation inside the GEMM.
+    """``x @ w.T + bias`` [M, F] in x.dtype (w [F, D], one row per unit), float32
+    accumulation inside the GEMM.
 
     The GEMM emits x.dtype directly, as a plain Flax layer does (half the bytes of a float32
-    output). A bias is folded into the GEMM as one more contraction row (``[x, 1] @ [w; b]``,
-    zero-padded to a multiple of 64), so the sum is rounded once: a threshold bias cancels
-    most of ``x @ w`` for the active units, and adding it after rounding ``x @ w`` to bf16
+    output). A bias is folded into the GEMM as one more contraction column (``[x, 1] @ [w,
+    b].T``, zero-padded to a multiple of 64), so the sum is rounded once: a threshold bias
+    cancels most of ``x @ w.T`` for the active units, and adding it after rounding to bf16
     would lose the gate's low bits (5-10% gradient errors on small test problems), while a
     float32 GEMM output plus a separate add pass costs ~0.5 ms per call at M = 16384.
 
@@ -33,17 +91,18 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
     so below ``FEW_ROWS`` (8) rows it runs on the ``gemv`` kernel (the same sums, 12.2 us) on
     a GPU outside a multi-device mesh; ``kernel`` forces the choice (tests)."""
     if bias is None:
-        return jnp.dot(x, w)
+        return dot_rows(x, w)
     m, d = x.shape
     if 2 * m < d:
         if _few_rows_on_gemv(m) if kernel is None else kernel:
             return _biased_gemv(x, w, bias)
-        pre = jnp.dot(x, w, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
+        pre = dot_rows(x, w, jnp.float32) + bias.astype(jnp.float32)
         return pre.astype(x.dtype)
     pad = _K_MULTIPLE - d % _K_MULTIPLE
     ones = jnp.zeros((m, pad), x.dtype).at[:, 0].set(1)
-    rows = jnp.zeros((pad, w.shape[1]), w.dtype).at[0].set(bias.astype(w.dtype))
-    return jnp.dot(jnp.concatenate([x, ones], axis=1), jnp.concatenate([w, rows], axis=0))
+    bias_columns = jnp.zeros((w.shape[0], pad), w.dtype).at[:, 0].set(bias.astype(w.dtype))
+    return dot_rows(jnp.concatenate([x, ones], axis=1),
+                    jnp.concatenate([w, bias_columns], axis=1))
 
 
 def _few_rows_on_gemv(m: int) -> bool:
@@ -55,9 +114,9 @@ def _few_rows_on_gemv(m: int) -> bool:
 
 @jax.custom_vjp
 def _biased_gemv(x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
-    """``(x @ w + bias)`` rounded once to x.dtype (x [M, D], w [D, F], bias [F]) on ``gemv``;
-    its backward is autodiff's of the float32 form it replaces."""
-    return gemv(x, w.astype(x.dtype), bias)
+    """``(x @ w.T + bias)`` rounded once to x.dtype (x [M, D], w [F, D], bias [F]) on
+    ``gemv``; its backward is autodiff's of the float32 form it replaces."""
+    return gemv(x, w.astype(x.dtype), bias, unit_rows=True)
 
 
 def _biased_gemv_fwd(x, w, bias):
@@ -66,8 +125,12 @@ def _biased_gemv_fwd(x, w, bias):
 
 def _biased_gemv_bwd(residuals, d_pre):
     x, w, bias = residuals
-    dx, dw = _mixed_bwd(x.dtype, (x, w), d_pre)
-    return dx, dw, jnp.sum(d_pre.astype(jnp.float32), axis=0).astype(bias.dtype)
+    d_pre = d_pre.astype(x.dtype)
+    dx = jnp.dot(d_pre, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    dw = jax.lax.dot_general(d_pre, x, (((0,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [F, D]
+    return (dx.astype(x.dtype), dw.astype(w.dtype),
+            jnp.sum(d_pre.astype(jnp.float32), axis=0).astype(bias.dtype))
 
 
 _biased_gemv.defvjp(_biased_gemv_fwd, _biased_gemv_bwd)

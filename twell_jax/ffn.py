@@ -41,9 +41,10 @@ from pallas_kernels.common import default_interpret
 from twell_jax import backends
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Backend, Implementation, RowLists
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
-from twell_jax.dense import gate_pre_activation
+from twell_jax.dense import dot_down, dot_rows, gate_pre_activation
 from twell_jax.format import (column_sums, heavy_row_index, heavy_rows, mask_lists, set_rows,
                               take_rows)
+from twell_jax.layout import FFNWeights, prepare_weights
 
 RESIDUALS_NAME = "twell_residuals"
 """The ``checkpoint_name`` of the sparse FFN's saved lists (for remat policies)."""
@@ -101,20 +102,21 @@ def _p99(row_nnz: jax.Array, d_ff: int) -> jax.Array:
 
 
 def _dense_rows(x: jax.Array, weights: tuple[jax.Array, ...], bias, gated: bool):
-    """Dense FFN on rows x [R, D], written as a plain Flax MLP computes it: every GEMM emits
-    x.dtype (float32 accumulation inside), the gating product in x.dtype. Its autodiff backward
-    runs x.dtype GEMMs too. Returns (y [R, D] x.dtype, l1 [R] f32, active [R, F] bool)."""
+    """Dense FFN on rows x [R, D] (weights [F, D] each), written as a plain Flax MLP computes
+    it: every GEMM emits x.dtype (float32 accumulation inside), the gating product in x.dtype.
+    Its autodiff backward runs x.dtype GEMMs too. Returns (y [R, D] x.dtype, l1 [R] f32,
+    active [R, F] bool)."""
     pre = gate_pre_activation(x, weights[0], bias)
     y, l1_rows = _dense_from_pre(x, pre, weights, gated)
     return y, l1_rows, pre > 0
 
 
 def _dense_from_pre(x, pre, weights, gated):
-    """Dense FFN given the gate pre-activation ``pre = x @ w_gate + bias`` [R, F] (x.dtype):
+    """Dense FFN given the gate pre-activation ``pre = x @ w_gate.T + bias`` [R, F] (x.dtype):
     (y [R, D] x.dtype, l1 [R] f32)."""
     gate = jax.nn.relu(pre)
-    h = gate * jnp.dot(x, weights[1]) if gated else gate
-    return jnp.dot(h, weights[-1]), jnp.sum(jnp.abs(h.astype(_F32)), axis=1)
+    h = gate * dot_rows(x, weights[1]) if gated else gate
+    return dot_down(h, weights[-1]), jnp.sum(jnp.abs(h.astype(_F32)), axis=1)
 
 
 def _active_counts(active: jax.Array, config: TwELLConfig) -> tuple[jax.Array, jax.Array]:
@@ -297,20 +299,17 @@ def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig) 
     return RowLists(values, columns, row_nnz)
 
 
-def _sparse_forward(backend: Backend, x, weights, bias, gated, w_up_t, gate: RowLists, pre,
-                    counted, index):
+def _sparse_forward(backend: Backend, x, weights, bias, gated, gate: RowLists, pre, counted,
+                    index):
     """Light rows on the lists, the backup's rows ``index`` [size] (None: no heavy row; see
     ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values
     [M, K] f32 or [M, 0], ``counted`` as given: the statistics' row totals and heavy rows).
-    ``w_up_t`` [F, D]: w_up transposed (gated), made outside the route switch, or None
-    (made here: ``_transposes_in_branches``). ``pre``
-    [M, F]: the backend's gate pre-activation, or None. The backup takes its rows of ``pre``
+    ``pre`` [M, F]: the backend's gate pre-activation, or None. The backup takes its rows of ``pre``
     rather than redo their gate GEMM, as the all-dense branch does (with the sizes of
     ``_backup_sizes``: heavy-tailed forward 1.60 -> 1.43 ms on the H100)."""
     m = x.shape[0]
     if gated:
-        w_up_t = weights[1].T if w_up_t is None else w_up_t  # ``_transposes_in_branches``
-        y, up_values, l1_rows = backend.up_down(x, w_up_t, weights[-1], gate)
+        y, up_values, l1_rows = backend.up_down(x, weights[1], weights[-1], gate)
     else:
         y, _, l1_rows = backend.up_down(None, None, weights[-1], gate)
         up_values = jnp.zeros((m, 0), _F32)
@@ -358,24 +357,10 @@ def _dense_forward_for_grad(x, params, bias, gated, config):
     return (y, stats), _DenseVJP(pullback)
 
 
-def _transposes_in_branches(weights: tuple[jax.Array, ...], config: TwELLConfig) -> bool:
-    """Where the row kernels' transposed weights ([F, D]) are made: before the route switch
-    (False), or in its sparse branches, so that a batch routed dense skips them (True).
-
-    Before the switch XLA shares the forward's transpose with the backward's (the FFN ~0.1 ms
-    faster at D = 2048, F = 5632 on the H100), and there a transpose is ~14 us. Past the L2
-    (W_up + W_down 235 MB at D = 4096, F = 14336) one transpose moves ~235 MB (~80 us), three a
-    forward + backward, and such layers go dense at most densities: there they are made in
-    the branches."""
-    w_down = weights[-1]
-    f, d = w_down.shape
-    return 2 * d * f * jnp.dtype(w_down.dtype).itemsize > config.cost_model.l2_bytes
-
-
 def _twell_forward(x, params, bias, gated, implementation, config):
     backend = backends.get(implementation)
     m = x.shape[0]
-    f = params[0].shape[1]
+    f = params[0].shape[0]
     # A differentiated decode-sized call (the primal took the decode path): where the sparse
     # path's fixed cost exceeds the dense FFN, the dense function and its plain autodiff.
     if _static_dense(backend, m, x.shape[1], f, x.dtype, config, differentiated=True):
@@ -400,10 +385,9 @@ def _twell_forward(x, params, bias, gated, implementation, config):
     # the route (``_twell_backward``), and they must add nothing to the dense gradients.
     gate = _light_lists(lists, backup | dense, f, config)
 
-    w_up_t = weights[1].T if gated and not _transposes_in_branches(weights, config) else None
     counted = (row_nnz_all, num_heavy)
-    sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, w_up_t, gate,
-                               pre, counted)
+    sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, gate, pre,
+                               counted)
     dense_branch = functools.partial(_dense_forward, x, weights, bias, gated, pre,
                                      gate.values.shape[1] if gated else 0, counted)
     branches = [*_backup_branches(sparse, backup, sizes), dense_branch]
@@ -457,21 +441,19 @@ def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct) -> _Lis
     """The light rows' per-entry gradients, dW and d bias from the lists (their dx: the
     backend's ``row_dx`` in the backward's switch, ``_twell_backward``)."""
     x, weights, gate = r.x, r.weights, r.gate
-    f = weights[0].shape[1]
+    f = weights[0].shape[0]
     g = gate.values.astype(_F32)
-    # The transposed products, one per values array: [F, D] (w_down's layout) or, with
-    # ``transposed``, [D, F] (w_gate's and w_up's: the kernel writes them so, no transpose).
-    outer = lambda values, b, transposed=False: backend.sparse_outer(
-        values, gate.columns, gate.row_nnz, b, f, transposed)
+    # The transposed products, one per values array: [F, D], every weight's layout.
+    outer = lambda values, b: backend.sparse_outer(values, gate.columns, gate.row_nnz, b, f)
     d1, d2 = backend.row_grads(dy, weights[-1], gate, r.up_values if gated else None, l1_ct)
     if gated:
         du, dg = d1, d2
         (d_w_down,) = outer((g * r.up_values,), dy)
-        d_w_gate, d_w_up = outer((dg, du), x, True)  # one pass over x serves both
+        d_w_gate, d_w_up = outer((dg, du), x)  # one pass over x serves both
         d_weights, d_pre = (d_w_gate, d_w_up, d_w_down), dg
     else:
         (d_w_down,) = outer((g,), dy)
-        (d_w_up,) = outer((d1,), x, True)
+        (d_w_up,) = outer((d1,), x)
         d_weights, d_pre = (d_w_up, d_w_down), d1
     # d bias: the pre-activation gradients summed per column.
     d_bias = None if r.bias is None else column_sums(d_pre, gate.columns, gate.row_nnz, f)
@@ -529,17 +511,12 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     # dx's kernel runs in each sparse branch instead, as the forward's up/down does: passed
     # into the switch and through it, dx was copied at the end of every branch in the models
     # (7 of the 0.5b model's 8 layers, whose switches called clones of one set of branches;
-    # 67 MB, ~69 us a layer at M = 16384 on the H100). The
-    # transposed weights are made where the forward's ``w_up_t`` is (``_transposes_in_branches``).
-    # The kernel rounds dx to x.dtype itself: a float32
-    # dx would be written, then read by a cast (~70 us per 0.5b layer on the H100).
-    transposed = lambda: (r.weights[-2].T,  # (w_gate, w_up, w_down) or (w_up, w_down)
-                          r.weights[0].T if gated else None)
-    outside = None if _transposes_in_branches(r.weights, config) else transposed()
-
+    # 67 MB, ~69 us a layer at M = 16384 on the H100). The kernel rounds dx to x.dtype
+    # itself: a float32 dx would be written, then read by a cast (~70 us per 0.5b layer on
+    # the H100).
     def with_backup(index):
-        w_up_t, w_gate_t = transposed() if outside is None else outside
-        dx = backend.row_dx(w_up_t, w_gate_t, r.gate, *lists.entries, dy.dtype)
+        dx = backend.row_dx(r.weights[-2],  # (w_gate, w_up, w_down) or (w_up, w_down)
+                            r.weights[0] if gated else None, r.gate, *lists.entries, dy.dtype)
         grads = (dx, lists.d_weights, lists.d_bias)
         if index is None:
             return _output_grads(r, grads)
@@ -554,11 +531,8 @@ def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_su
     """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup.
     ``partial_sums``: y may come back as the backend's float32 partial sums [S, M, D]."""
     weights = _compute_weights(x, params)
-    # One transpose per call; loop-invariant in a decode loop (timings on the H100 suggest XLA
-    # hoists it there; the CPU pipeline does not).
-    w_up_t = weights[1].T if gated else None
-    y, l1_rows, active = backend.decode(x, weights[0], bias, w_up_t, weights[-1],
-                                        partial_sums=partial_sums)
+    y, l1_rows, active = backend.decode(x, weights[0], bias, weights[1] if gated else None,
+                                        weights[-1], partial_sums=partial_sums)
     return y, _stats_from_active(active, l1_rows, config)
 
 
@@ -617,16 +591,32 @@ _twell_ffn.defvjp(_twell_forward, _twell_backward)
 # Public entry points.
 
 
-def _check_inputs(x, weights, names, bias, bias_name, implementation, config):
+def _check_common(x, implementation, config):
     backends.check(implementation)
     if config is not None and not isinstance(config, TwELLConfig):
         raise TypeError(f"config must be a TwELLConfig or None, got {type(config).__name__}")
-    for name, a in zip(("x",) + names, (x,) + weights):
-        if not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
-            raise TypeError(f"{name} must be a floating-point array, got dtype "
-                            f"{getattr(a, 'dtype', type(a).__name__)}")
+    _check_float("x", x)
     if x.ndim < 1:
         raise ValueError(f"x must have shape [..., d_model], got shape {x.shape}")
+
+
+def _check_float(name, a):
+    if not hasattr(a, "dtype") or not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype "
+                        f"{getattr(a, 'dtype', type(a).__name__)}")
+
+
+def _check_bias(bias, bias_name, d_ff):
+    if bias is not None:
+        _check_float(bias_name, bias)
+        if bias.shape != (d_ff,):
+            raise ValueError(f"{bias_name} has shape {bias.shape}, expected ({d_ff},)")
+
+
+def _check_flax_layout(x, weights, names):
+    """The shapes of weights in the Flax layout (the inputs [D, F], w_down [F, D])."""
+    for name, a in zip(names, weights):
+        _check_float(name, a)
     d_model = x.shape[-1]
     *in_weights, w_down = weights
     in_names = names[:-1]
@@ -642,24 +632,41 @@ def _check_inputs(x, weights, names, bias, bias_name, implementation, config):
         raise ValueError(f"{names[-1]} has shape {w_down.shape}, expected ({d_ff}, {d_model})")
     if d_ff == 0 or d_model == 0:
         raise ValueError(f"d_model and d_ff must be positive, got {d_model} and {d_ff}")
-    if bias is not None:
-        if not hasattr(bias, "dtype") or not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise TypeError(f"{bias_name} must be a floating-point array, got "
-                            f"{getattr(bias, 'dtype', type(bias).__name__)}")
-        if bias.shape != (d_ff,):
-            raise ValueError(f"{bias_name} has shape {bias.shape}, expected ({d_ff},)")
 
 
-def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, return_stats,
+def _check_unit_rows(x, weights: FFNWeights):
+    """The shapes of ``FFNWeights``: every matrix [F, D] (one F and D), D matching x's."""
+    if not isinstance(weights, FFNWeights):
+        raise TypeError(f"weights must be an FFNWeights (twell_jax.prepare_weights makes one "
+                        f"from the Flax layout), got {type(weights).__name__}")
+    names = ("gate", "up", "down") if weights.gated else ("up", "down")
+    for name, a in zip(names, weights.matrices):
+        _check_float(f"weights.{name}", a)
+    shape = weights.matrices[0].shape
+    for name, w in zip(names, weights.matrices):
+        if w.ndim != 2 or w.shape != shape:
+            raise ValueError(f"weights.{name} has shape {w.shape}: every FFN weight is "
+                             f"[d_ff, d_model], one row per unit, and weights."
+                             f"{names[0]} has shape {shape}")
+    d_ff, d_model = shape
+    if d_ff == 0 or d_model == 0:
+        raise ValueError(f"d_model and d_ff must be positive, got {d_model} and {d_ff}")
+    if x.shape[-1] != d_model:
+        raise ValueError(f"x has shape {x.shape}, but the weights [d_ff, d_model] = {shape} "
+                         f"want its last axis to be d_model = {d_model}")
+
+
+def _ffn(x, weights: FFNWeights, bias, implementation, config, return_stats,
          partial_sums=False):
-    _check_inputs(x, weights, names, bias, bias_name, implementation, config)
+    """The op on checked inputs, weights one row per unit."""
     backend = backends.get(implementation)
     config = DEFAULT_CONFIG if config is None else config
+    gated = weights.gated
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     # One compute dtype: weights are cast to x.dtype. The sparse op casts them itself and
     # returns dW in their own dtype; the dense paths' gradients flow back through the cast.
-    params = weights
+    params = weights.matrices
     weights = _compute_weights(x, params)
     bias = None if bias is None else bias.astype(x.dtype)
     if x2.shape[0] == 0:
@@ -670,7 +677,7 @@ def _ffn(x, weights, names, bias, bias_name, gated, implementation, config, retu
                          jnp.asarray(False))
     elif not backend.sparse:
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
-    elif _static_dense(backend, x2.shape[0], x2.shape[1], weights[0].shape[1], x.dtype, config):
+    elif _static_dense(backend, x2.shape[0], x2.shape[1], weights[0].shape[0], x.dtype, config):
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
         stats = stats._replace(dense_fallback=jnp.asarray(True))
     elif partial_sums and _uses_decode(backend, x2.shape[0], config):
@@ -729,18 +736,21 @@ def path_for(implementation: Implementation, m: int, d_model: int, d_ff: int, dt
     return "dense" if dense else "lists"
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-              b_gate: jax.Array | None = None,
-              implementation: Implementation = DEFAULT_IMPLEMENTATION,
-              config: TwELLConfig | None = None, return_stats: bool = False,
-              partial_sums: bool = False):
-    """ReLU-gated FFN ``(relu(x @ w_gate + b_gate) * (x @ w_up)) @ w_down`` with TwELL sparsity.
+def feed_forward(x: jax.Array, weights: FFNWeights, *, bias: jax.Array | None = None,
+                 implementation: Implementation = DEFAULT_IMPLEMENTATION,
+                 config: TwELLConfig | None = None, return_stats: bool = False,
+                 partial_sums: bool = False):
+    """The FFN on weights stored one row per unit: gated
+    ``(relu(x @ gate.T + bias) * (x @ up.T)) @ down``, or non-gated
+    ``relu(x @ up.T + bias) @ down`` when ``weights.gate`` is None. No weight is transposed
+    (``twell_jax.layout``): the entry point for repeated calls, and the layers'.
 
     Args:
       x: [..., D] activations (bf16 or float32; the compute and output dtype).
-      w_gate, w_up: [D, F]. w_down: [F, D]. Cast to x.dtype.
-      b_gate: optional [F] gate bias (cast to x.dtype, added in float32): a negative bias
-        is a per-unit threshold that makes the unit fire less often.
+      weights: ``FFNWeights``, every matrix [F, D] (``prepare_weights`` makes them from the
+        Flax layout once). Cast to x.dtype.
+      bias: optional [F] bias of the ReLU's input (cast to x.dtype, added in float32): a
+        negative bias is a per-unit threshold that makes the unit fire less often.
       implementation: "pallas" (Pallas kernels; interpret mode without a GPU), "reference"
         (the TwELL algorithm in plain jnp) or "xla" (dense).
       config: the TwELL format's knobs (``TwELLConfig()`` when None).
@@ -750,20 +760,54 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
         (M = the rows of x) instead, for a consumer that adds them itself; other calls return
         y as usual. Inference only: such a call cannot be differentiated.
     Returns:
-      y [..., D] in x.dtype (or ``PartialSums``), or ``(y, stats)``. Differentiable in x and
-      every weight (without ``partial_sums``).
+      y [..., D] in x.dtype (or ``PartialSums``), or ``(y, stats)``. Differentiable in x, the
+      weights (gradients [F, D], in each weight's dtype) and the bias (without
+      ``partial_sums``).
     """
-    return _ffn(x, (w_gate, w_up, w_down), ("w_gate", "w_up", "w_down"), b_gate, "b_gate", True,
-                implementation, config, return_stats, partial_sums)
+    _check_common(x, implementation, config)
+    _check_unit_rows(x, weights)
+    _check_bias(bias, "bias", weights.up.shape[0])
+    return _ffn(x, weights, bias, implementation, config, return_stats, partial_sums)
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+              b_gate: jax.Array | None = None,
+              implementation: Implementation = DEFAULT_IMPLEMENTATION,
+              config: TwELLConfig | None = None, return_stats: bool = False,
+              partial_sums: bool = False):
+    """ReLU-gated FFN ``(relu(x @ w_gate + b_gate) * (x @ w_up)) @ w_down`` with TwELL
+    sparsity, on weights in the Flax layout.
+
+    Each call transposes w_gate and w_up into the layout the kernels read (XLA folds the
+    transposes into the dense paths' GEMMs, not into the sparse kernels'): for repeated calls
+    make ``prepare_weights(w_gate, w_up, w_down)`` once and call ``feed_forward``.
+
+    Args:
+      x: [..., D] activations (bf16 or float32; the compute and output dtype).
+      w_gate, w_up: [D, F]. w_down: [F, D]. Cast to x.dtype.
+      b_gate: optional [F] gate bias (``feed_forward``'s ``bias``).
+      implementation, config, return_stats, partial_sums: as ``feed_forward``'s.
+    Returns:
+      As ``feed_forward``; the weights' gradients in their own layout.
+    """
+    _check_common(x, implementation, config)
+    _check_flax_layout(x, (w_gate, w_up, w_down), ("w_gate", "w_up", "w_down"))
+    _check_bias(b_gate, "b_gate", w_gate.shape[1])
+    return _ffn(x, prepare_weights(w_gate, w_up, w_down), b_gate, implementation, config,
+                return_stats, partial_sums)
 
 
 def mlp(x: jax.Array, w_up: jax.Array, w_down: jax.Array, *, b_up: jax.Array | None = None,
         implementation: Implementation = DEFAULT_IMPLEMENTATION, config: TwELLConfig | None = None,
         return_stats: bool = False, partial_sums: bool = False):
-    """Non-gated ReLU FFN ``relu(x @ w_up + b_up) @ w_down`` with TwELL sparsity.
+    """Non-gated ReLU FFN ``relu(x @ w_up + b_up) @ w_down`` with TwELL sparsity, on weights
+    in the Flax layout (w_up transposed per call: see ``gated_mlp``).
 
     Args and returns as ``gated_mlp``: x [..., D], w_up [D, F], w_down [F, D], optional
     b_up [F].
     """
-    return _ffn(x, (w_up, w_down), ("w_up", "w_down"), b_up, "b_up", False, implementation,
-                config, return_stats, partial_sums)
+    _check_common(x, implementation, config)
+    _check_flax_layout(x, (w_up, w_down), ("w_up", "w_down"))
+    _check_bias(b_up, "b_up", w_up.shape[1])
+    return _ffn(x, prepare_weights(None, w_up, w_down), b_up, implementation, config,
+                return_stats, partial_sums)

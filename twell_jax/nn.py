@@ -17,8 +17,12 @@ this is what makes the Pallas FFN run sharded; the other implementations take th
 their statistics agree. The statistics are reduced across devices to the single-device values
 (``reduce_stats``), except ``nnz_p99``: the maximum of the per-device 99th percentiles, an upper
 bound of the global one (the exact value needs every token's count). The parameters carry logical
-axis names for ``twell_jax.sharding``'s rules: ``("embed", "mlp")`` on w_gate and w_up,
-``("mlp", "embed")`` on w_down, ``("mlp",)`` on the biases.
+axis names for ``twell_jax.sharding``'s rules: ``("mlp", "embed")`` on the weights, ``("mlp",)``
+on the biases.
+
+Layout: every weight is stored [F, D], one row per hidden unit, the layout the sparse kernels
+read (``twell_jax.layout``): ``w_gate`` and ``w_up`` are the transposes of an ``nnx.Linear(D,
+F)`` kernel. No call transposes a weight.
 
 Statistics: every call sows its ``twell_jax.FFNStats`` as ``nnx.Intermediate`` under the name
 ``"ffn_stats"`` (one tuple entry per call). Sowing is a no-op outside ``nnx.capture``, so a
@@ -44,7 +48,8 @@ from jax.sharding import PartitionSpec as P
 from twell_jax import backends, sharding
 from twell_jax.config import TwELLConfig
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Implementation
-from twell_jax.ffn import FFNStats, PartialSums, gated_mlp, mlp
+from twell_jax.ffn import FFNStats, PartialSums, feed_forward
+from twell_jax.layout import FFNWeights
 
 def sow_if_captured(module: nnx.Module, variable_type, name: str, value) -> None:
     """``module.sow(...)`` inside ``nnx.capture`` and a no-op outside it, on every flax 0.12.x.
@@ -64,7 +69,9 @@ CHECKPOINT_NAME = "ffn_out"
 """The ``checkpoint_name`` of each layer's output, for remat policies."""
 
 default_kernel_init = nnx.initializers.lecun_normal()
-"""Truncated normal with variance 1 / fan_in (fan_in = D for w_gate, w_up; F for w_down)."""
+"""Truncated normal with variance 1 / fan_in (fan_in = D for w_gate, w_up; F for w_down).
+The layers call an initializer with a weight's Flax shape ([D, F] for w_gate and w_up, [F, D]
+for w_down) and store w_gate and w_up transposed, so it sees the fan-in on axis 0 as usual."""
 
 
 def _check_size(name: str, value: Any) -> int:
@@ -102,9 +109,14 @@ class _FFNBase(nnx.Module):
         self.dtype = _check_dtype("dtype", dtype, allow_none=True)
         self.param_dtype = _check_dtype("param_dtype", param_dtype, allow_none=False)
 
-    def _param(self, init, rngs: nnx.Rngs, shape: tuple[int, int],
-               axes: tuple[str, str]) -> nnx.Param:
-        return nnx.Param(init(rngs.params(), shape, self.param_dtype), **sharding.logical(*axes))
+    def _param(self, init, rngs: nnx.Rngs, fan_in_first: bool) -> nnx.Param:
+        """A weight [F, D]: ``init`` draws it in the Flax layout, [D, F] (fan-in first) for
+        w_gate and w_up (``fan_in_first``, stored transposed) or [F, D] for w_down."""
+        if fan_in_first:
+            w = init(rngs.params(), (self.d_model, self.d_ff), self.param_dtype).T
+        else:
+            w = init(rngs.params(), (self.d_ff, self.d_model), self.param_dtype)
+        return nnx.Param(w, **sharding.logical("mlp", "embed"))
 
     def _bias(self, enabled: bool, d_ff: int) -> nnx.Param | None:
         if not isinstance(enabled, bool):
@@ -112,17 +124,18 @@ class _FFNBase(nnx.Module):
         return (nnx.Param(jnp.zeros((d_ff,), self.param_dtype), **sharding.logical("mlp"))
                 if enabled else None)
 
-    def _run(self, op, x: jax.Array, weights: tuple[nnx.Param, ...], *,
-             partial_sums: bool = False, **bias) -> jax.Array | PartialSums:
+    def _run(self, x: jax.Array, weights: FFNWeights, bias: nnx.Param | None, *,
+             partial_sums: bool = False) -> jax.Array | PartialSums:
         x = jnp.asarray(x)
         dtype = x.dtype if self.dtype is None else self.dtype
         x = x.astype(dtype)
         # The weights go in their own dtype: the op casts them to x.dtype, and the sparse op
         # returns float32 master weights' gradients straight from its kernels (no round trip).
-        ws = tuple(w[...] for w in weights)
-        bias = {k: None if b is None else b[...] for k, b in bias.items()}
-        run = functools.partial(op, implementation=self.implementation, config=self.config,
-                                return_stats=True, partial_sums=partial_sums)
+        ws = FFNWeights(*(None if w is None else w[...] for w in weights))
+        bias = None if bias is None else bias[...]
+        run = functools.partial(feed_forward, implementation=self.implementation,
+                                config=self.config, return_stats=True,
+                                partial_sums=partial_sums)
         y, stats = _per_device(run, x, ws, bias)
         sow_if_captured(self, nnx.Intermediate, STATS_NAME, stats)
         return checkpoint_name(y, CHECKPOINT_NAME)
@@ -150,9 +163,9 @@ def reduce_stats(stats: FFNStats, axes: tuple[str, ...]) -> FFNStats:
     )
 
 
-def _per_device(run: Callable, x: jax.Array, ws: tuple[jax.Array, ...], bias: dict):
-    """``run(x, *ws, **bias) -> (y, stats)``, under ``shard_map`` over the context mesh's batch
-    axes when there are any (see the module docstring), else directly.
+def _per_device(run: Callable, x: jax.Array, ws: FFNWeights, bias: jax.Array | None):
+    """``run(x, ws, bias=bias) -> (y, stats)``, under ``shard_map`` over the context mesh's
+    batch axes when there are any (see the module docstring), else directly.
 
     x [B, ..., D] is split along B; ws and bias enter replicated; y comes back split like x and
     the statistics reduced (``reduce_stats``). Raises ValueError when B is not a multiple of
@@ -162,17 +175,17 @@ def _per_device(run: Callable, x: jax.Array, ws: tuple[jax.Array, ...], bias: di
     axes = () if mesh.empty else sharding.batch_axes_of(mesh)
     n = math.prod(mesh.shape[axis] for axis in axes)
     if n == 1 or x.ndim < 2:  # one device (or no batch dimension): nothing to split
-        return run(x, *ws, **bias)
+        return run(x, ws, bias=bias)
     if x.shape[0] % n:
         raise ValueError(f"FFN input of shape {x.shape}: the batch dimension must be a "
                          f"multiple of {n}, the devices of mesh axes {axes}")
     # Partial sums [S, M, D] are not split like x: each device returns its y finished.
     run = functools.partial(run, partial_sums=False)
     # Cast before the split: the weight gradients are summed over the devices in x.dtype.
-    ws = tuple(w.astype(x.dtype) for w in ws)
+    ws = jax.tree.map(lambda w: w.astype(x.dtype), ws)
 
     def body(x, ws, bias):
-        y, stats = run(x, *ws, **bias)
+        y, stats = run(x, ws, bias=bias)
         return y, reduce_stats(stats, axes)
 
     # check_vma=False: neither pallas_call outputs nor the ops' custom_vjp rules carry
@@ -186,20 +199,22 @@ def _per_device(run: Callable, x: jax.Array, ws: tuple[jax.Array, ...], bias: di
 class SparseGatedMLP(_FFNBase):
     """ReLU-gated FFN ``y = (relu(x @ w_gate) * (x @ w_up)) @ w_down`` on TwELL sparsity.
 
-    Parameters (``nnx.Param``, ``param_dtype``): ``w_gate`` [D, F], ``w_up`` [D, F],
-    ``w_down`` [F, D]; with ``gate_bias`` also ``b_gate`` [F] (zeros), else ``b_gate`` is None.
+    Parameters (``nnx.Param``, ``param_dtype``): ``w_gate``, ``w_up`` and ``w_down``, each
+    [F, D] (one row per unit: y = ``(relu(x @ w_gate.T) * (x @ w_up.T)) @ w_down``); with
+    ``gate_bias`` also ``b_gate`` [F] (zeros), else ``b_gate`` is None.
 
     Args:
       d_model: D, the input and output width.
       d_ff: F, the hidden width.
       implementation: ``"pallas"`` (Pallas kernels), ``"reference"`` (the TwELL algorithm in
-        plain jnp) or ``"xla"`` (dense); passed to ``twell_jax.gated_mlp`` unchanged.
+        plain jnp) or ``"xla"`` (dense); passed to ``twell_jax.feed_forward`` unchanged.
       config: the TwELL format's knobs (``TwELLConfig()`` when None).
       rngs: ``nnx.Rngs`` with a ``params`` stream.
       dtype: compute dtype; ``None`` (default) means x's dtype.
       param_dtype: storage dtype of the parameters (default float32).
-      kernel_init: initializer ``(key, shape, dtype) -> array`` for all three weights; default
-        truncated normal with variance 1 / fan_in.
+      kernel_init: initializer ``(key, shape, dtype) -> array`` for all three weights, called
+        with each one's Flax shape (fan-in first: [D, F] for w_gate and w_up, stored
+        transposed); default truncated normal with variance 1 / fan_in.
       gate_bias: add a learnable per-unit bias to the gate pre-activation (a negative bias is
         a threshold: it lowers the unit's firing rate). Default False.
     """
@@ -211,24 +226,25 @@ class SparseGatedMLP(_FFNBase):
                  gate_bias: bool = False):
         super().__init__(d_model, d_ff, implementation=implementation, config=config,
                          dtype=dtype, param_dtype=param_dtype)
-        self.w_gate = self._param(kernel_init, rngs, (d_model, d_ff), ("embed", "mlp"))
-        self.w_up = self._param(kernel_init, rngs, (d_model, d_ff), ("embed", "mlp"))
-        self.w_down = self._param(kernel_init, rngs, (d_ff, d_model), ("mlp", "embed"))
+        self.w_gate = self._param(kernel_init, rngs, fan_in_first=True)
+        self.w_up = self._param(kernel_init, rngs, fan_in_first=True)
+        self.w_down = self._param(kernel_init, rngs, fan_in_first=False)
         self.b_gate = self._bias(gate_bias, d_ff)
 
     def __call__(self, x: jax.Array, *, partial_sums: bool = False) -> jax.Array | PartialSums:
         """x [..., D] -> y [..., D] in the compute dtype; sows ``FFNStats`` as ``"ffn_stats"``.
-        ``partial_sums``: as in ``gated_mlp`` (decode steps on one device, inference only)."""
-        return self._run(gated_mlp, x, (self.w_gate, self.w_up, self.w_down),
-                         partial_sums=partial_sums, b_gate=self.b_gate)
+        ``partial_sums``: as in ``feed_forward`` (decode steps on one device, inference only)."""
+        return self._run(x, FFNWeights(self.w_gate, self.w_up, self.w_down), self.b_gate,
+                         partial_sums=partial_sums)
 
 
 class SparseMLP(_FFNBase):
     """Non-gated ReLU FFN ``y = relu(x @ w_up) @ w_down`` on TwELL sparsity.
 
-    Parameters (``nnx.Param``, ``param_dtype``): ``w_up`` [D, F], ``w_down`` [F, D]; with
-    ``gate_bias`` also ``b_up`` [F] (the bias inside the ReLU), else ``b_up`` is None.
-    Arguments as ``SparseGatedMLP``; calls ``twell_jax.mlp``.
+    Parameters (``nnx.Param``, ``param_dtype``): ``w_up`` and ``w_down``, each [F, D] (y =
+    ``relu(x @ w_up.T) @ w_down``); with ``gate_bias`` also ``b_up`` [F] (the bias inside the
+    ReLU), else ``b_up`` is None. Arguments as ``SparseGatedMLP``; calls
+    ``twell_jax.feed_forward``.
     """
 
     def __init__(self, d_model: int, d_ff: int, *,
@@ -238,13 +254,13 @@ class SparseMLP(_FFNBase):
                  gate_bias: bool = False):
         super().__init__(d_model, d_ff, implementation=implementation, config=config,
                          dtype=dtype, param_dtype=param_dtype)
-        self.w_up = self._param(kernel_init, rngs, (d_model, d_ff), ("embed", "mlp"))
-        self.w_down = self._param(kernel_init, rngs, (d_ff, d_model), ("mlp", "embed"))
+        self.w_up = self._param(kernel_init, rngs, fan_in_first=True)
+        self.w_down = self._param(kernel_init, rngs, fan_in_first=False)
         self.b_up = self._bias(gate_bias, d_ff)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., D] -> y [..., D] in the compute dtype; sows ``FFNStats`` as ``"ffn_stats"``."""
-        return self._run(mlp, x, (self.w_up, self.w_down), b_up=self.b_up)
+        return self._run(x, FFNWeights(None, self.w_up, self.w_down), self.b_up)
 
 
 def sown_stats(intermediates: nnx.State) -> list[FFNStats]:

@@ -6,8 +6,8 @@ along its largest dimension that the rules allow and ``fsdp`` divides. XLA's SPM
 gathers a sharded weight where a layer uses it and reduce-scatters its gradient, as MaxText's
 FSDP does. ``data=N, fsdp=1`` is plain data parallelism (parameters replicated).
 
-Parameters carry *logical* axis names (metadata ``logical_axes``, e.g. ``("embed", "mlp")`` on
-``w_gate`` [D, F]); ``LOGICAL_RULES`` maps logical names to mesh axes, here and nowhere else.
+Parameters carry *logical* axis names (metadata ``logical_axes``, e.g. ``("mlp", "embed")`` on
+``w_gate`` [F, D]); ``LOGICAL_RULES`` maps logical names to mesh axes, here and nowhere else.
 ``nnx.Optimizer`` copies a parameter's metadata onto its AdamW moments, so they shard alike;
 values without names (step counters) are replicated.
 

@@ -1,35 +1,36 @@
 """What a backend supplies: the packed products the shared TwELL algorithm in ``ffn.py`` needs.
 
-A sparse backend (``sparse=True``) fills the four building blocks:
+A sparse backend (``sparse=True``) fills the four building blocks. Every weight is [F, D], one
+row per unit (``twell_jax.layout``).
 
-- ``pack(x [M, D], w [D, F], bias [F] or None, config)`` -> ``(lists: RowLists, counts [M,
-  n_tiles] int32, pre, skipped)``: the positive entries of ``relu(x @ w + bias)`` listed per
+- ``pack(x [M, D], w [F, D], bias [F] or None, config)`` -> ``(lists: RowLists, counts [M,
+  n_tiles] int32, pre, skipped)``: the positive entries of ``relu(x @ w.T + bias)`` listed per
   row in column order (``lists.values`` [M, K] x.dtype, ``lists.columns`` [M, K] int32,
   ``lists.row_nnz`` [M] int32 the true row totals) and the true per-tile counts. Only light
   rows' lists (``format.heavy_rows`` false; K >= ``config.max_row_nnz(F)`` or every tile's S
   slots) must be valid, and only their first ``row_nnz`` entries; ``pre`` is the dense [M, F]
-  pre-activation ``x @ w`` in x.dtype when the backend computed it anyway (the dense fallback
+  pre-activation ``x @ w.T`` in x.dtype when the backend computed it anyway (the dense fallback
   then reuses it), else None. ``skipped``: None, or (a backend that returns ``pre``) a [] bool
   that, when true, says the batch is mostly heavy rows (``format.mostly_heavy``) and nothing
   was listed: lists and counts are then unspecified and the batch goes dense.
-- ``up_down(x, w_up_t [F, D], w_down [F, D], gate: RowLists)`` -> ``(y [M, D] x.dtype,
+- ``up_down(x, w_up [F, D], w_down [F, D], gate: RowLists)`` -> ``(y [M, D] x.dtype,
   up_values [M, K] float32, l1 [M] float32)``: the gated up/down projection on the lists and
-  each row's ``sum |h|`` over its first ``row_nnz`` entries (h = g * u); with x and w_up_t None
+  each row's ``sum |h|`` over its first ``row_nnz`` entries (h = g * u); with x and w_up None
   the non-gated down projection ``(y [M, D] w_down.dtype, None, l1)`` (h = g).
 - ``row_grads(dy [M, D], w_down [F, D], gate: RowLists, up_values or None, l1)`` -> ``(du or
   dh [M, K] float32, dg or None)``: the per-entry gradients of the backward
   (``pallas_kernels.row_backward`` says what they are; gated when up_values is given).
-- ``row_dx(w_up_t [F, D], w_gate_t or None, gate: RowLists, d1, d2 or None, dx_dtype)`` ->
+- ``row_dx(w_up [F, D], w_gate [F, D] or None, gate: RowLists, d1, d2 or None, dx_dtype)`` ->
   dx [M, D] dx_dtype: the input gradient from ``row_grads``' outputs, accumulated in float32
   and rounded once.
-- ``sparse_outer(values: tuple of [M, K], columns, row_nnz, b [M, D], d_ff, transposed=False)``
-  -> tuple of [d_ff, D] float32 ([D, d_ff] when ``transposed``), one per values array (all
+- ``sparse_outer(values: tuple of [M, K], columns, row_nnz, b [M, D], d_ff)``
+  -> tuple of [d_ff, D] float32, one per values array (all
   share the pattern and b): the transposed products of the backward (dW).
-- ``decode(x [M, D], w_in [D, F], bias [F] or None, w_up_t [F, D] or None, w_down [F, D],
+- ``decode(x [M, D], w_in [F, D], bias [F] or None, w_up [F, D] or None, w_down [F, D],
   partial_sums=False)`` -> ``(y [M, D] x.dtype, l1 [M] float32, active [M, F] bool)``
   (optional; with ``partial_sums`` a backend may return y as float32 partial sums [S, M, D]
   instead, which ``finish_partial_sums(y, None, x.dtype)`` turns into y): the whole sparse FFN
-  of a few rows without lists (``w_in`` is the gate, or the up projection when ``w_up_t`` is
+  of a few rows without lists (``w_in`` is the gate, or the up projection when ``w_up`` is
   None; l1 = sum_j |h_j|; active: the units with a positive gate). ``ffn.py`` runs it for
   calls of at most ``TwELLConfig.decode_rows`` rows that are not differentiated (decode
   steps); every row is exact whatever its count, so there is no dense backup and no

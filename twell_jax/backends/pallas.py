@@ -55,11 +55,11 @@ def _pad(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
-    d, f = w.shape
+    f, d = w.shape
     f_pad = config.num_tiles(f) * config.tile_width
     # The GEMM emits x.dtype (fp32 accumulation inside): half the bytes for the pack to read.
-    # Padded columns have zero weights and bias: never active.
-    pre = gate_pre_activation(x, _pad(w, (d, f_pad)),
+    # Padded units have zero weights and bias: never active.
+    pre = gate_pre_activation(x, _pad(w, (f_pad, d)),
                               None if bias is None else _pad(bias, (f_pad,)))
     # A batch whose rows are mostly heavy goes dense whatever its lists say: row_pack then
     # returns at once instead of reading the 184 MB pre-activation (M = 16384, F = 5632) for
@@ -76,20 +76,20 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
     return RowLists(values, columns, row_total), counts, pre[:, :f], skipped
 
 
-def _pad_up_down(x, w_up_t, w_down):
-    """x [M, D], w_up_t [F, D] (None when non-gated) and w_down [F, D] with D padded to a
+def _pad_up_down(x, w_up, w_down):
+    """x [M, D], w_up [F, D] (None when non-gated) and w_down [F, D] with D padded to a
     multiple of 64 for the row kernels."""
     f, d = w_down.shape
     d_pad = _round_up(d, _D_MULTIPLE)
     if x is not None:
         x = _pad(x, (x.shape[0], d_pad))
-    if w_up_t is not None:
-        w_up_t = _pad(w_up_t, (f, d_pad))
-    return x, w_up_t, _pad(w_down, (f, d_pad))
+    if w_up is not None:
+        w_up = _pad(w_up, (f, d_pad))
+    return x, w_up, _pad(w_down, (f, d_pad))
 
 
-def _row_up_down(x, w_up_t, w_down, gate: RowLists):
-    y, up, l1 = row_up_down(*_pad_up_down(x, w_up_t, w_down), *gate)
+def _row_up_down(x, w_up, w_down, gate: RowLists):
+    y, up, l1 = row_up_down(*_pad_up_down(x, w_up, w_down), *gate)
     return y[:, :w_down.shape[1]], up, l1
 
 
@@ -104,32 +104,31 @@ def _row_grads(dy, w_down, gate: RowLists, up_values, l1):
                            up_values, gate.columns, gate.row_nnz, l1)
 
 
-def _row_dx(w_up_t, w_gate_t, gate: RowLists, d1, d2, dx_dtype):
-    dx = row_dx(_pad_rows(w_up_t), _pad_rows(w_gate_t), d1, d2, gate.columns, gate.row_nnz,
+def _row_dx(w_up, w_gate, gate: RowLists, d1, d2, dx_dtype):
+    dx = row_dx(_pad_rows(w_up), _pad_rows(w_gate), d1, d2, gate.columns, gate.row_nnz,
                 dx_dtype=dx_dtype)
-    return dx[:, :w_up_t.shape[1]]
+    return dx[:, :w_up.shape[1]]
 
 
-def _sparse_outer(values, columns, row_nnz, b, d_ff, transposed=False):
+def _sparse_outer(values, columns, row_nnz, b, d_ff):
     m, d = b.shape
-    out = sparse_outer(tuple(values), columns, row_nnz, _pad(b, (m, _padded_features(d))), d_ff,
-                       transposed=transposed)
-    return tuple(o[:d] if transposed else o[:, :d] for o in out)
+    out = sparse_outer(tuple(values), columns, row_nnz, _pad(b, (m, _padded_features(d))), d_ff)
+    return tuple(o[:, :d] for o in out)
 
 
-def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False):
+def _decode(x, w_in, bias, w_up, w_down, partial_sums=False):
     # The gate on the GEMV kernel, whose partial sums scan_up_down adds itself: no launch and
     # no [M, F] write in between. Below 8 rows XLA's dot is ~2x slower than the weight read;
     # at 8 and 64 rows the whole decode FFN is 0.7 and 1.5 us faster this way than with XLA's
     # dot (H100).
     if x.shape[0] <= GEMV_MAX_ROWS:
-        gate = GatePartials(gemv_partial_sums(x, w_in), bias, x.dtype)
+        gate = GatePartials(gemv_partial_sums(x, w_in, unit_rows=True), bias, x.dtype)
         pre = gate.pre()  # only for the statistics: dead code unless they are used
     else:
         gate = pre = gate_pre_activation(x, w_in, bias)
-    gated = w_up_t is not None
-    x_pad, w_up_t, w_down_pad = _pad_up_down(x if gated else None, w_up_t, w_down)
-    y_parts, l1 = scan_up_down_partial_sums(gate, x_pad, w_up_t, w_down_pad)
+    gated = w_up is not None
+    x_pad, w_up, w_down_pad = _pad_up_down(x if gated else None, w_up, w_down)
+    y_parts, l1 = scan_up_down_partial_sums(gate, x_pad, w_up, w_down_pad)
     y_parts = y_parts[..., :w_down.shape[1]]
     # Unfinished for a consumer that adds the slices itself (the model's add_rms_norm: one
     # launch less a decode step).
@@ -143,5 +142,5 @@ BACKEND = Backend(sparse=True, cost_model_routes=True,
                   up_down=jax.jit(_row_up_down),
                   row_grads=jax.jit(_row_grads),
                   row_dx=jax.jit(_row_dx, static_argnames="dx_dtype"),
-                  sparse_outer=jax.jit(_sparse_outer, static_argnames=("d_ff", "transposed")),
+                  sparse_outer=jax.jit(_sparse_outer, static_argnames="d_ff"),
                   decode=_decode)

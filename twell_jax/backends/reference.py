@@ -17,6 +17,7 @@ from pallas_kernels.scan_up_down import scan_up_down_reference
 from pallas_kernels.sparse_outer import sparse_outer_reference
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
+from twell_jax.dense import dot_rows
 from twell_jax.format import pack_tiles, row_compact, valid_entries
 
 _F32 = jnp.float32
@@ -50,21 +51,19 @@ def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array,
 
 
 def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax.Array,
-                 b: jax.Array, d_ff: int, transposed: bool = False) -> tuple[jax.Array, ...]:
+                 b: jax.Array, d_ff: int) -> tuple[jax.Array, ...]:
     """Transposed products: out_i[j] = sum over (m, k) with columns[m, k] = j of
     values_i[m, k] * b[m].
 
     values: a tuple of [M, K] arrays sharing the pattern; columns: [M, K]; row_nnz: [M];
-    b: [M, D]. Returns a tuple of [d_ff, D] float32 ([D, d_ff] when ``transposed``), one per
-    values array (e.g. dW_down = h^T @ dy with h packed). (The ``sparse_outer`` kernel's
-    reference.)
+    b: [M, D]. Returns a tuple of [d_ff, D] float32, one per values array (e.g. dW_down =
+    h^T @ dy with h packed). (The ``sparse_outer`` kernel's reference.)
     """
-    out = sparse_outer_reference(values, columns, row_nnz, b, d_ff)
-    return tuple(o.T for o in out) if transposed else out
+    return sparse_outer_reference(values, columns, row_nnz, b, d_ff)
 
 
 def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
-    pre = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    pre = dot_rows(x, w, jnp.float32)
     gate = jax.nn.relu(pre if bias is None else pre + bias.astype(jnp.float32))
     values, columns, counts = pack_tiles(gate, config.tile_width, config.slots_per_tile)
     values, columns, _ = row_compact(values.astype(x.dtype), columns, counts,
@@ -72,14 +71,14 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
     return RowLists(values, columns, counts.sum(axis=1, dtype=jnp.int32)), counts, None, None
 
 
-def _up_down(x, w_up_t, w_down, gate: RowLists):
+def _up_down(x, w_up, w_down, gate: RowLists):
     gate_values, columns, row_nnz = gate
     valid = valid_entries(row_nnz, columns.shape[1])
     l1_rows = lambda hidden: jnp.sum(jnp.where(valid, jnp.abs(hidden), 0.0), axis=1)
     if x is None:
         y = sparse_dot(gate_values, columns, row_nnz, w_down)
         return y.astype(w_down.dtype), None, l1_rows(gate_values.astype(jnp.float32))
-    up_values = sampled_dot(x, w_up_t, columns, row_nnz)
+    up_values = sampled_dot(x, w_up, columns, row_nnz)
     hidden = gate_values.astype(jnp.float32) * up_values
     y = sparse_dot(hidden, columns, row_nnz, w_down)
     return y.astype(x.dtype), up_values, l1_rows(hidden)
@@ -96,23 +95,23 @@ def _row_grads(dy, w_down, gate: RowLists, up_values, l1):
     return (dh, None) if up_values is None else (dh * g, dh * up_values)
 
 
-def _row_dx(w_up_t, w_gate_t, gate: RowLists, d1, d2, dx_dtype):
+def _row_dx(w_up, w_gate, gate: RowLists, d1, d2, dx_dtype):
     _, columns, row_nnz = gate
-    dx = sparse_dot(d1, columns, row_nnz, w_up_t)
-    if w_gate_t is not None:
-        dx = dx + sparse_dot(d2, columns, row_nnz, w_gate_t)
+    dx = sparse_dot(d1, columns, row_nnz, w_up)
+    if w_gate is not None:
+        dx = dx + sparse_dot(d2, columns, row_nnz, w_gate)
     return dx.astype(dx_dtype)
 
 
-def _decode(x, w_in, bias, w_up_t, w_down, partial_sums=False):
+def _decode(x, w_in, bias, w_up, w_down, partial_sums=False):
     """The decode path in float32: the gate as ``_pack`` computes it, then the active units'
     products (inactive units' hidden values exactly zero). y is always finished."""
     del partial_sums
-    pre = jnp.dot(x, w_in, preferred_element_type=jnp.float32)
+    pre = dot_rows(x, w_in, jnp.float32)
     if bias is not None:
         pre = pre + bias.astype(jnp.float32)
     active = jnp.logical_not(pre <= 0)  # > 0 or NaN
-    y, l1 = scan_up_down_reference(pre, None if w_up_t is None else x, w_up_t, w_down,
+    y, l1 = scan_up_down_reference(pre, None if w_up is None else x, w_up, w_down,
                                    out_dtype=x.dtype)
     return y, l1, active
 

@@ -16,14 +16,16 @@ from twell_jax.model.hf_checks import check_config_types
 from twell_jax.model.transformer import Transformer
 
 
-# LlamaForCausalLM parameter names -> (our path, transpose): HF linear weights are [out, in].
+# LlamaForCausalLM parameter names -> (our path, transpose): HF linear weights are [out, in];
+# ours are [in, out], except the FFN's, stored one row per hidden unit ([F, D]: the gate and up
+# projections as HF stores them, the down projection transposed).
 _HF_LAYER_PARAMS = {
     "self_attn.q_proj.weight": (("attn", "w_q"), True),
     "self_attn.k_proj.weight": (("attn", "w_k"), True),
     "self_attn.v_proj.weight": (("attn", "w_v"), True),
     "self_attn.o_proj.weight": (("attn", "w_o"), True),
-    "mlp.gate_proj.weight": (("ffn", "w_gate"), True),
-    "mlp.up_proj.weight": (("ffn", "w_up"), True),
+    "mlp.gate_proj.weight": (("ffn", "w_gate"), False),
+    "mlp.up_proj.weight": (("ffn", "w_up"), False),
     "mlp.down_proj.weight": (("ffn", "w_down"), True),
     "input_layernorm.weight": (("attn_norm", "scale"), False),
     "post_attention_layernorm.weight": (("ffn_norm", "scale"), False),

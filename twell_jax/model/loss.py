@@ -9,6 +9,7 @@ import optax
 from flax import nnx
 
 from twell_jax import nn
+from twell_jax.dense import dot_rows
 from twell_jax.ffn import FFNStats
 from twell_jax.model.layers import FFNInput
 from twell_jax.model.transformer import Transformer
@@ -60,7 +61,7 @@ def loss_fn(model: Transformer, tokens: jax.Array, l1_coeff) -> tuple[jax.Array,
 
 
 def gate_preactivations(model: Transformer, tokens: jax.Array) -> list[jax.Array]:
-    """Each layer's gate pre-activation ``x @ w_gate (+ b_gate)`` [B * T, F] float32 on its
+    """Each layer's gate pre-activation ``x @ w_gate.T (+ b_gate)`` [B * T, F] float32 on its
     captured FFN input, computed as the layer does (compute dtype, float32 accumulation)."""
     _, captured = nnx.capture(model, FFNInput)(tokens)
     inputs = jax.tree.leaves(captured)
@@ -70,7 +71,7 @@ def gate_preactivations(model: Transformer, tokens: jax.Array) -> list[jax.Array
     gates = []
     for block, h in zip(model.blocks, inputs):
         h = h.reshape(-1, cfg.d_model).astype(cfg.dtype)
-        gate = jnp.dot(h, block.ffn.w_gate[...].astype(cfg.dtype), preferred_element_type=_F32)
+        gate = dot_rows(h, block.ffn.w_gate[...].astype(cfg.dtype), _F32)
         if block.ffn.b_gate is not None:
             gate = gate + block.ffn.b_gate[...].astype(cfg.dtype).astype(_F32)
         gates.append(gate)
