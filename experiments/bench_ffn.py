@@ -126,6 +126,18 @@ def decode_loop(fn: Callable) -> Callable:
     return jax.jit(run)
 
 
+UNROLLED_SETS = 8
+
+
+def unrolled_calls(fn: Callable) -> Callable:
+    """Jitted: one call of ``fn(x, *weights)`` on each of UNROLLED_SETS weight sets, unrolled
+    (a public op's calls as a user's program makes them: no loop out of which XLA could hoist a
+    per-call transpose, no weight left in the L2 from the call before)."""
+    def run(x, sets):
+        return sum(fn(x, *weights).astype(jnp.float32) for weights in sets)
+    return jax.jit(run)
+
+
 def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
                     emit: Callable) -> list[dict]:
     """M <= 64: every variant timed per call inside an on-device loop over 4 layers' weights
@@ -166,6 +178,27 @@ def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
     measure("stage: gate GEMM + scan_up_down (w_up stored [F, D])",
             lambda x, g, ut, d: scan_up_down(jnp.dot(x, g), x, ut, d)[0], layers_t)
     measure("loop overhead (identity FFN)", lambda x, *w: x, layers, check=False)
+
+    # The same calls unrolled over distinct weight sets: what a per-call transpose costs.
+    flax_sets = [op_weights(args, *make_case_inputs(case, seed=seed)[1:])
+                 for seed in range(UNROLLED_SETS)]
+    rows_sets = [tuple(tj.prepare_weights(*weights)) for weights in flax_sets]
+
+    def measure_unrolled(label, fn, sets):
+        def measure_into(row):
+            # Set 0 holds the case's weights (seed 0), in either layout.
+            row["rel_err"] = rel_error_float64(jax.jit(fn)(x, *sets[0]), x, w_gate, w_up,
+                                               w_down, rows)
+            t = time_ms(unrolled_calls(fn), x, sets, runs=args.runs, min_batch_ms=5.0)
+            t.pop("latency_ms")
+            row.update({k: (v / UNROLLED_SETS if k.endswith("_ms") else v) for k, v in t.items()})
+        _record(case, label, results, emit, measure_into,
+                timed=f"per call, {UNROLLED_SETS} weight sets unrolled in one jit")
+
+    measure_unrolled("unrolled: flax: three bf16 nnx.Linear layers", flax_dense_mlp, flax_sets)
+    measure_unrolled("unrolled: pallas TwELL FFN", prepared("pallas"), rows_sets)
+    measure_unrolled("unrolled: pallas TwELL FFN on the Flax layout (gated_mlp)", op("pallas"),
+                     flax_sets)
     return results
 
 

@@ -88,6 +88,12 @@ def test_gemv_matches_numpy_and_reference(m, d, f, config, bias, dtype):
 def test_gate_pre_activation_on_gemv(m, dtype):
     """``dense.gate_pre_activation``'s few-row biased product on ``gemv`` (its path on a GPU
     below 8 rows) against the float32 form it replaces and float64, forward and gradients."""
+    # XLA's float32 products at full precision, as the kernel's (a GPU's default is TF32).
+    with jax.default_matmul_precision("highest"):
+        _check_gate_pre_activation_on_gemv(m, dtype)
+
+
+def _check_gate_pre_activation_on_gemv(m, dtype):
     rng = np.random.default_rng(seed_of("gate_on_gemv", m, str(dtype)))
     x, w_flax, b = make_inputs(m, 200, 330, dtype, "threshold", rng)
     w = jnp.asarray(w_flax.T)  # the FFN's layout: [F, D]
