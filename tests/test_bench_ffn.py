@@ -68,6 +68,7 @@ def test_float32_master_weights(bench, tmp_path, monkeypatch):
     # Decode sizes take the flag too (the timed FFNs of the on-device loop; a short loop).
     monkeypatch.setattr(bench, "DECODE_STEPS", 1)
     monkeypatch.setattr(bench, "DECODE_LAYERS", 1)
+    monkeypatch.setattr(bench, "UNROLLED_SETS", 2)
     case = dataclasses.replace(bench.CASES["decode_m1"], d=64, f=256, nnz_target=8.0)
     weight_dtypes, time_ms = [], bench.time_ms
     def recording_time_ms(fn, x, weight_sets, **kwargs):  # the weights each loop was timed on
@@ -80,6 +81,10 @@ def test_float32_master_weights(bench, tmp_path, monkeypatch):
     labels = [r.get("label") for r in timed if "label" in r]
     ffns = [r for r in timed if r.get("label") in ("xla dense FFN", "pallas TwELL FFN")]
     assert len(ffns) == 2 and all("error" not in r and r["rel_err"] < 2e-2 for r in ffns), ffns
+    # The calls unrolled over distinct weight sets, the sparse op on both layouts.
+    unrolled = [r for r in timed if str(r.get("label")).startswith("unrolled: ")]
+    assert len(unrolled) == 3 and all("error" not in r and r["rel_err"] < 2e-2
+                                      for r in unrolled), unrolled
     for label in ("xla dense FFN", "pallas TwELL FFN"):
         assert weight_dtypes[labels.index(label)] == {"float32"}, label
 

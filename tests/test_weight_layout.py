@@ -90,9 +90,15 @@ def _forward_and_backward(x, *w):
     return jax.grad(loss, argnums=(0, 1, 2, 3))(x, *w)
 
 
-@pytest.mark.parametrize("weight_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("call, m", [("forward", 256), ("forward_and_backward", 256),
-                                     ("decode", 1), ("decode", 8), ("decode", 64)])
+# Fast tier: bf16 weights everywhere, float32 master weights (cast, not transposed) in the
+# forward + backward.
+@pytest.mark.parametrize("call, m, weight_dtype", [
+    pytest.param(call, m, dtype, id=f"{call}-{m}-{name}",
+                 marks=() if dtype == jnp.bfloat16 or call == "forward_and_backward"
+                 else pytest.mark.slow)
+    for call, m in (("forward", 256), ("forward_and_backward", 256), ("decode", 1),
+                    ("decode", 8), ("decode", 64))
+    for dtype, name in ((jnp.bfloat16, "bf16"), (jnp.float32, "f32"))])
 def test_no_weight_is_transposed_or_cast(compiled_kernels, call, m, weight_dtype):
     fn = {"forward": _forward(SPARSE), "forward_and_backward": _forward_and_backward,
           "decode": _forward(None)}[call]
@@ -119,8 +125,13 @@ def test_the_flax_layout_transposes_once_per_call(compiled_kernels):
     assert weight_sized_ops(module, "transpose")
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_prepared_weights_compute_the_flax_layout_op(gated):
+# The layouts meet in ffn.py, before any backend: the fast tier checks one (the kernels' own
+# tests cover pallas against reference).
+@pytest.mark.parametrize("gated, implementation", [
+    pytest.param(True, "reference", id="gated-reference"),
+    pytest.param(True, "pallas", id="gated-pallas", marks=pytest.mark.slow),
+    pytest.param(False, "reference", id="plain-reference")])
+def test_prepared_weights_compute_the_flax_layout_op(gated, implementation):
     """``feed_forward`` on ``prepare_weights`` equals ``gated_mlp`` / ``mlp`` bit for bit, its
     gradients are theirs transposed."""
     x, *weights = make_ffn_inputs(11, 48, 64, 200, "heavy_tailed", jnp.float32, gated=gated)
@@ -128,20 +139,19 @@ def test_prepared_weights_compute_the_flax_layout_op(gated):
     w_gate = weights[0] if gated else None
     prepared = tj.prepare_weights(w_gate, *weights[-2:])
     assert prepared.gated == gated and prepared.up.shape == (200, 64)
-    for implementation in ("reference", "pallas"):
-        loss_flax = lambda x, *w: jnp.sum(flax_op(x, *w, implementation=implementation) ** 2)
-        loss_rows = lambda x, *w: jnp.sum(tj.feed_forward(
-            x, tj.FFNWeights(*((None,) if not gated else ()) + w),
-            implementation=implementation) ** 2)
-        argnums = tuple(range(len(weights) + 1))
-        want = jax.jit(jax.value_and_grad(loss_flax, argnums))(x, *weights)
-        got = jax.jit(jax.value_and_grad(loss_rows, argnums))(x, *prepared.matrices)
-        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-        np.testing.assert_array_equal(np.asarray(got[1][0]), np.asarray(want[1][0]))
-        for g, w in zip(got[1][1:], want[1][1:]):
-            g = np.asarray(g)
-            assert np.isfinite(g).all()
-            np.testing.assert_array_equal(g, np.asarray(w).T if g.shape != w.shape else w)
+    loss_flax = lambda x, *w: jnp.sum(flax_op(x, *w, implementation=implementation) ** 2)
+    loss_rows = lambda x, *w: jnp.sum(tj.feed_forward(
+        x, tj.FFNWeights(*((None,) if not gated else ()) + w),
+        implementation=implementation) ** 2)
+    argnums = tuple(range(len(weights) + 1))
+    want = jax.jit(jax.value_and_grad(loss_flax, argnums))(x, *weights)
+    got = jax.jit(jax.value_and_grad(loss_rows, argnums))(x, *prepared.matrices)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1][0]), np.asarray(want[1][0]))
+    for g, w in zip(got[1][1:], want[1][1:]):
+        g = np.asarray(g)
+        assert np.isfinite(g).all()
+        np.testing.assert_array_equal(g, np.asarray(w).T if g.shape != w.shape else w)
 
 
 def test_feed_forward_rejects_bad_weights():
