@@ -80,7 +80,9 @@ def uncached_greedy(model, prompts, steps):
 # The cache and greedy decoding against the full forward.
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [jnp.float32,
+                                   pytest.param(jnp.bfloat16, marks=pytest.mark.slow)],
+                         ids=["f32", "bf16"])
 def test_cached_decoding_matches_full_forward(dtype):
     model = model_lib.build("tiny", dtype=dtype, seed=1, implementation="xla")
     expected_tokens, expected_logits = uncached_greedy(model, PROMPTS, NEW)

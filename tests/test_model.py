@@ -399,14 +399,16 @@ def test_remat_keeps_the_sparse_lists_not_the_dense_ffn(implementation, capsys):
 
 def test_train_steps_decrease_loss():
     """AdamW steps on one batch with the TwELL reference FFN. The loss and gradients are the
-    jitted ones of the tests above (compiled once); the optimizer update runs eagerly."""
+    jitted ones of the tests above (compiled once); the optimizer update is jitted too (run
+    eagerly, its many small ops cost seconds a step)."""
     model = model_lib.build("tiny", implementation="reference", seed=4)
     optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+    update = nnx.jit(lambda optimizer, model, grads: optimizer.update(model, grads))
     x = tokens(seed=4)
     losses = []
     for _ in range(15):
         (loss, _), grads = loss_and_grads(model, x, 0.01)
-        optimizer.update(model, grads)
+        update(optimizer, model, grads)
         losses.append(float(loss))
     assert all(np.isfinite(losses))
     assert losses[-1] < losses[0] - 0.5, losses

@@ -48,7 +48,7 @@ def make_inputs(m, d, f, pattern, dtype, rng):
 
 @pytest.mark.parametrize("dtype", F32_ONLY)
 @pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "nongated"])
-@pytest.mark.parametrize("pattern", ["uniform", "heavy"])
+@pytest.mark.parametrize("pattern", [slow("uniform"), "heavy"])  # heavy: both branches
 @pytest.mark.parametrize("m,d,f,config", [
     (5, 64, 256, ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1)),
     slow(8, 128, 300, None),  # F not a multiple of the slice: the last slice is masked
@@ -108,7 +108,7 @@ def test_dense_chunks_equal_unit_groups(gated):
 
 
 @pytest.mark.parametrize("dtype", F32_ONLY)
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "nongated"])
 @pytest.mark.parametrize("splits,bias", [(3, True), slow(1, True), slow(2, False)])
 def test_scan_reads_the_gemv_partial_sums(splits, bias, gated, dtype):
     """The gate as the GEMV's unsummed partial sums (the decode path): the same y and l1 as
