@@ -289,7 +289,8 @@ def run_backward_stages(case: Case, x, weights, dy, config: tj.TwELLConfig, timi
     w_gate, w_up, w_down = (w.astype(x.dtype) for w in weights)
     pre, pack = _gate_and_pack(x, w_gate, config)
     values, columns, row_nnz = _light_lists(pack(pre), config, case.f)
-    w_up_t, w_gate_t = tj.prepare_weights(w_gate, w_up, w_down)[1::-1]
+    prepared = tj.prepare_weights(w_gate, w_up, w_down)  # [F, D], as the kernels read them
+    w_up_t, w_gate_t = prepared.up, prepared.gate
     _, up, _ = jax.jit(row_up_down)(x, w_up_t, w_down, values, columns, row_nnz)
     l1 = jnp.float32(1e-4 / case.m)
     row_bytes = int(jnp.sum(row_nnz)) * case.d * x.dtype.itemsize  # one D-row per entry

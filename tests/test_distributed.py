@@ -106,10 +106,13 @@ def test_two_processes_train_like_one_and_survive_a_dead_peer(tmp_path):
     assert single.wait(timeout=600) == 0, (tmp_path / "one.log").read_text()[-3000:]
     a, b = losses(pair), losses(one)
     assert len(a) == len(b) == STEPS
-    # The same program split over 2 processes: equal up to the collectives' summation order
-    # (measured: 1.1e-7 at most over the 24 steps).
+    # The same program split over 2 processes: equal up to the collectives' summation order.
+    # The first steps agree to ~1e-7; once one bf16 rounding comes out the other way (in one
+    # measured run at step 10, 2e-5), AdamW's normalised updates carry the difference on
+    # (5.5e-4 at most over the 24 steps). Another run's numbers flipped no rounding in 24
+    # steps (1.1e-7 at most).
     for step, (x, y) in enumerate(zip(a, b), 1):
-        assert x == pytest.approx(y, rel=1e-5), step
+        assert x == pytest.approx(y, rel=1e-6 if step <= 4 else 2e-3), step
 
     # SIGTERM to process 1 alone: both stop after the same step (agreed), save it, exit 143.
     run = tmp_path / "run"
