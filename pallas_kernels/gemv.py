@@ -72,8 +72,8 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
     ``weights`` holds, per weight matrix, (its first block, its block count, its F, its first
     output column): several products of one x share a launch, each program reading one
     weight's tile (a branch per weight). Refs (whole arrays): x [M, D], the weights [D, F_i]
-    ([F_i, D] with ``unit_rows``), [bias [F_0], one weight only]; output: [M, sum F_i] in x.dtype (``fused``: the only split,
-    bias added) or partial sums [S, M, sum F_i] float32.
+    ([F_i, D] with ``unit_rows``), [bias [F_0], one weight only]; output: [M, sum F_i] in
+    x.dtype (``fused``: the only split, bias added) or partial sums [S, M, sum F_i] float32.
     """
     n_w = len(weights)
     x_ref, w_refs = refs[0], refs[1:1 + n_w]

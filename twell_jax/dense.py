@@ -19,56 +19,41 @@ def dot_rows(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     layout, ``twell_jax.layout``): [..., F], float32 accumulation, in ``out_dtype`` (x.dtype
     when None). One ``dot_general`` contracting both operands' last axis: no transpose of w
     is asked for, and a GEMM reads either operand order."""
-    return _dot_rows(x, w, jnp.dtype(out_dtype or x.dtype))
+    return _dot_unit_rows(x, w, 1, jnp.dtype(out_dtype or x.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dot_rows(x, w, out_dtype):
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
+def dot_down(h: jax.Array, w: jax.Array) -> jax.Array:
+    """``h @ w`` for h [..., F] and the down projection w [F, D]: [..., D] in h.dtype, float32
+    accumulation."""
+    return _dot_unit_rows(h, w, 0, jnp.dtype(h.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dot_unit_rows(a, w, w_axis: int, out_dtype):
+    """a [..., K] times w [F, D] contracted on its axis ``w_axis`` (K = D for 1, F for 0), in
+    ``out_dtype``. Its backward writes dw [F, D] as w is stored; JAX's own rule makes it the
+    other way round and transposes it, a weight-sized copy per call."""
+    return jax.lax.dot_general(a, w, (((a.ndim - 1,), (w_axis,)), ((), ())),
                                preferred_element_type=out_dtype)
 
 
-def _dot_rows_fwd(x, w, out_dtype):
-    return _dot_rows(x, w, out_dtype), (x, w)
+def _dot_unit_rows_fwd(a, w, w_axis, out_dtype):
+    return _dot_unit_rows(a, w, w_axis, out_dtype), (a, w)
 
 
-def _dot_rows_bwd(out_dtype, residuals, g):
-    """Autodiff's two products, written so that dw comes out [F, D] as w is stored (JAX's own
-    rule makes it [D, F] and transposes it: a weight-sized copy per call)."""
-    x, w = residuals
-    lead = tuple(range(x.ndim - 1))
-    dx = jax.lax.dot_general(g, w, (((x.ndim - 1,), (0,)), ((), ())),
-                             preferred_element_type=x.dtype)
-    dw = jax.lax.dot_general(g, x, ((lead, lead), ((), ())), preferred_element_type=w.dtype)
-    return dx, dw
+def _dot_unit_rows_bwd(w_axis, out_dtype, residuals, g):
+    a, w = residuals
+    lead = tuple(range(a.ndim - 1))
+    da = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1 - w_axis,)), ((), ())),
+                             preferred_element_type=a.dtype)
+    # dw [F, D]: the leading axes summed, F (g's for w_axis 1, a's for 0) first.
+    rows, cols = (g, a) if w_axis == 1 else (a, g)
+    dw = jax.lax.dot_general(rows, cols, ((lead, lead), ((), ())),
+                             preferred_element_type=w.dtype)
+    return da, dw
 
 
-_dot_rows.defvjp(_dot_rows_fwd, _dot_rows_bwd)
-
-
-@jax.custom_vjp
-def dot_down(h: jax.Array, w: jax.Array) -> jax.Array:
-    """``h @ w`` for h [..., F] and the down projection w [F, D]: [..., D] in h.dtype, float32
-    accumulation. Its backward writes dw [F, D] directly (JAX's own rule makes [D, F] and
-    transposes it)."""
-    return jax.lax.dot_general(h, w, (((h.ndim - 1,), (0,)), ((), ())),
-                               preferred_element_type=h.dtype)
-
-
-def _dot_down_fwd(h, w):
-    return dot_down(h, w), (h, w)
-
-
-def _dot_down_bwd(residuals, g):
-    h, w = residuals
-    lead = tuple(range(h.ndim - 1))
-    dh = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
-                             preferred_element_type=h.dtype)
-    dw = jax.lax.dot_general(h, g, ((lead, lead), ((), ())), preferred_element_type=w.dtype)
-    return dh, dw
-
-
-dot_down.defvjp(_dot_down_fwd, _dot_down_bwd)
+_dot_unit_rows.defvjp(_dot_unit_rows_fwd, _dot_unit_rows_bwd)
 
 
 def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,

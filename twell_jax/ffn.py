@@ -693,9 +693,9 @@ def decode_runs_dense(implementation: Implementation, nnz_mean: jax.Array, rows:
     """Whether a decode loop should run its FFN layers dense, from their measured activity:
     ``nnz_mean`` [L] (the layers' mean active units per token, e.g. a prefill's) for decode
     steps of ``rows`` token rows. Returns a [] bool array, or False where the answer is always
-    no, known from the shapes (a dense implementation or a sparse one without a dense route, a decode-sized call
-    that does not take the decode path, ``dense_fallback_density=1.0``, or the cost model in
-    interpret mode, where the kernels always run).
+    no, known from the shapes (a dense implementation or a sparse one without a dense route,
+    a decode-sized call that does not take the decode path, ``dense_fallback_density=1.0``,
+    or the cost model in interpret mode, where the kernels always run).
 
     The decode path cannot switch per call at no cost: a device-side conditional inside the
     decode loop cost 14-23 us a call on the H100, more than the whole FFN at the design
