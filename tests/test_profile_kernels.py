@@ -88,4 +88,7 @@ def test_fusion_sources_name_the_ops(prof):
     hlo = jax.jit(f).lower(jnp.ones((8, 16)), jnp.ones((16, 32))).compile().as_text()
     sources = prof.fusion_sources(hlo)
     assert sources and all("." not in name for name in sources)
-    assert any("tanh" in s or "transpose" in s or "convert" in s for s in sources.values())
+    # On the CPU the elementwise ops get fusions of their own; on a GPU they may all sit in
+    # the GEMM's fusion, named after the dot.
+    assert any(op in s for s in sources.values()
+               for op in ("tanh", "transpose", "convert", "dot_general"))

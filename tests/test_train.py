@@ -366,10 +366,13 @@ def test_resume_another_model_or_missing_run(train, text_dir, tmp_path):
 ])
 def test_scripts_fail_with_one_line(tmp_path, script, args, message):
     """Expected failures end with one line on stderr, exit status 1, no traceback."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{script}.py"
+    root = pathlib.Path(__file__).resolve().parents[1]
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TWELL_COMPILE_CACHE": ""})
+    # The checkout under test, installed or not (as the other script tests run it).
+    env = {**os.environ, "TWELL_COMPILE_CACHE": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(root / "experiments" / f"{script}.py"), *args],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 1, done.stderr[-2000:]
     lines = [l for l in done.stderr.splitlines() if l.strip() and "WARNING" not in l]
     assert len(lines) == 1 and message in lines[0], done.stderr[-2000:]
