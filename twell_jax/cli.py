@@ -149,8 +149,13 @@ def run_worker(script: str, spec: dict, argv: Sequence[str], log) -> list[dict]:
     """Runs one worker subprocess of ``script``; returns its result rows (an error row if it
     failed). Result rows and calibration lines are logged as they arrive."""
     cmd = [sys.executable, os.path.abspath(script), *argv, "--worker", json.dumps(spec)]
+    # The worker imports the twell_jax the driver runs, installed or a checkout's.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     rows, tail = [], []
     for line in proc.stdout:
         if line.startswith("RESULT "):
