@@ -8,6 +8,8 @@ repository or at numbered experiment runs.
     code states the reason itself.
 (c) Every relative link in README.md and docs/ resolves to a file or folder inside the
     repository, and every Markdown file they name in backticks exists in it.
+(d) No code, script, document or saved run configuration names a path outside the repository
+    (the raw benchmark records keep the command lines they ran with).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ _FENCE = re.compile(r"^```python runnable[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | 
 _RUN_CITATION = re.compile(r"\bruns? \d+", re.IGNORECASE)
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 _MARKDOWN_NAME = re.compile(r"`([\w./-]+\.md)`")
+# Written in pieces so that this file does not match itself.
+_OUTSIDE_PATH = re.compile("|".join([r"\.\./" + "shared", r"(?<![\w.])/" + "tmp/", r"/" + "work/"]))
+_TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".json", ".cfg", ".txt", ".yml", ".yaml"}
 
 
 def runnable_blocks() -> list[tuple[str, str]]:
@@ -79,3 +84,17 @@ def test_docs_reference_nothing_outside_the_repository(path):
                 or Path(name).name in markdown_files):
             bad.append(f"file {name}")
     assert not bad, f"{path.relative_to(ROOT)} points outside the repository: {bad}"
+
+
+def test_nothing_names_a_path_outside_the_repository():
+    folders = ["twell_jax", "pallas_kernels", "experiments", "tools", "tests", "docs", "results",
+               ".ci"]
+    files = [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / "benchmarks" / "LOG.md"]
+    for folder in folders:
+        files += [p for p in sorted((ROOT / folder).rglob("*"))
+                  if p.is_file() and (p.suffix in _TEXT_SUFFIXES or p.parent.name == ".ci")]
+    offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                 for path in files if "__pycache__" not in path.parts
+                 for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+                 if _OUTSIDE_PATH.search(line)]
+    assert not offenders, "paths outside the repository:\n" + "\n".join(offenders)
