@@ -149,10 +149,12 @@ def run_worker(script: str, spec: dict, argv: Sequence[str], log) -> list[dict]:
     """Runs one worker subprocess of ``script``; returns its result rows (an error row if it
     failed). Result rows and calibration lines are logged as they arrive."""
     cmd = [sys.executable, os.path.abspath(script), *argv, "--worker", json.dumps(spec)]
-    # The worker imports the twell_jax the driver runs, installed or a checkout's.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    # The worker imports the twell_jax the driver runs: a checkout's goes on its path (an
+    # installed package is on it already).
+    env = dict(os.environ)
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.exists(os.path.join(checkout, "pyproject.toml")):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [checkout, env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
