@@ -25,7 +25,8 @@ The sparse path gets its weights stored [F, D], one row per unit, made once
 (``twell_jax.prepare_weights``), as the layers store them; the dense ``"xla"`` path is timed on
 the Flax layout (the ratios' baseline) and on [F, D]. Beside them it times three plain bf16
 ``nnx.Linear`` layers (a user's dense FFN), and the stages alone (XLA's gate GEMM,
-``row_pack``, ``row_up_down``) with bytes and rates, so a missed target can be traced to a stage (knob sweeps: ``tools/bench_stages.py``).
+``row_pack``, ``row_up_down``) with bytes and rates, so a missed target can be traced to a
+stage (knob sweeps: ``tools/bench_stages.py``).
 Decode sizes (M <= ``decode_rows``, forward only) are timed per call inside an on-device loop
 over 4 layers' weights (``decode_loop``): one call from Python would time the host's dispatch.
 Sparsity statistics per case: mean / p99 / max active units per token, fraction of (row, tile)

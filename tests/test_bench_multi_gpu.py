@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from tests.utils import load_experiment
+from tests.utils import load_experiment, subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -40,8 +39,8 @@ def test_bad_flags_exit(bench):
 @pytest.mark.slow  # a subprocess with two fake devices, as test_sharding's step (slow too)
 def test_two_fake_devices(tmp_path):
     out = tmp_path / "bench.jsonl"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                         JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "experiments/bench_multi_gpu.py", "--presets", "tiny", "--batch",
          "2x32", "--runs", "1", "--implementations", "xla", "--out", str(out)],

@@ -7,7 +7,6 @@ checkpoint to the uninterrupted run's losses."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import socket
@@ -17,6 +16,7 @@ import time
 
 import pytest
 
+from tests.utils import subprocess_env
 from twell_jax import multihost
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -58,8 +58,8 @@ def flags(texts: pathlib.Path, cache: pathlib.Path, out: pathlib.Path, mesh: str
 
 
 def launch(args: list[str], log: pathlib.Path, devices: int, env: dict) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **env}
+    env = subprocess_env(JAX_PLATFORMS="cpu",
+                         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **env)
     return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
                             stdout=open(log, "a"), stderr=subprocess.STDOUT)
 

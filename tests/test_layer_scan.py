@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.utils import slow
+from tests.utils import slow, subprocess_env
 from twell_jax import model as model_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,8 +160,7 @@ def test_scan_equals_the_loop_bitwise_in_bf16_without_excess_precision():
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         print("EQUAL", float(a[0]))
     """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_allow_excess_precision=false",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = subprocess_env(XLA_FLAGS="--xla_allow_excess_precision=false")
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -19,6 +19,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.utils import subprocess_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "train.py"
 STEPS = 200
@@ -51,7 +53,7 @@ def start(flags: list[str], out: pathlib.Path, *extra: str) -> subprocess.Popen:
     nobody reads would fill up and stop it."""
     out.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "a")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(JAX_PLATFORMS="cpu")
     return subprocess.Popen([sys.executable, str(SCRIPT), *flags, "--out-dir", str(out), *extra],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -8,13 +8,13 @@ is fixed when jax starts, and this process runs on one device.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from tests.utils import subprocess_env
 from twell_jax import sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -25,8 +25,8 @@ EXACT_STATS = ("nnz_mean", "nnz_max", "heavy_rows", "backup_overflow", "dense_fa
 
 
 def run_worker(task: dict, n_devices: int) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}",
+                         JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "tests.sharding_worker", json.dumps(task)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.utils import load_experiment
+from tests.utils import load_experiment, subprocess_env
 from twell_jax import data
 
 
@@ -194,7 +194,7 @@ def test_compile_cache_keeps_the_compiled_step(tmp_path):
                            "--eval-every", "0", "--ckpt-every", "0", "--out-dir",
                            str(tmp_path / "run"), "--compile-cache", str(cache)],
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TWELL_COMPILE_CACHE": ""})
+                          env=subprocess_env(TWELL_COMPILE_CACHE=""))
     assert done.returncode == 0, done.stderr[-2000:]
     entries = [p.name for p in cache.iterdir()] if cache.is_dir() else []
     assert any(name.startswith("jit__train_step") for name in entries), entries
@@ -366,13 +366,10 @@ def test_resume_another_model_or_missing_run(train, text_dir, tmp_path):
 ])
 def test_scripts_fail_with_one_line(tmp_path, script, args, message):
     """Expected failures end with one line on stderr, exit status 1, no traceback."""
-    root = pathlib.Path(__file__).resolve().parents[1]
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{script}.py"
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    # The checkout under test, installed or not (as the other script tests run it).
-    env = {**os.environ, "TWELL_COMPILE_CACHE": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(root / "experiments" / f"{script}.py"), *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
+                          timeout=300, env=subprocess_env(TWELL_COMPILE_CACHE=""))
     assert done.returncode == 1, done.stderr[-2000:]
     lines = [l for l in done.stderr.splitlines() if l.strip() and "WARNING" not in l]
     assert len(lines) == 1 and message in lines[0], done.stderr[-2000:]

@@ -6,7 +6,6 @@ malformed file is indeed invalid."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import struct
 import subprocess
@@ -15,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.utils import subprocess_env
 from twell_jax import model as model_lib
 from twell_jax import safetensors_io
 
@@ -134,7 +134,7 @@ def test_negative_offsets_in_a_subprocess(tmp_path):
             "except ValueError as e:\n    print('VALUEERROR', e)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
                           text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=subprocess_env())
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert proc.stdout.startswith("VALUEERROR") and str(path) in proc.stdout, proc.stdout
 

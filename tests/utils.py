@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import pathlib
 import sys
 import zlib
@@ -165,3 +166,11 @@ def load_experiment(name: str):
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+
+
+def subprocess_env(**overrides: str) -> dict[str, str]:
+    """The environment for a test's Python subprocess: this one's, with the checkout under
+    test first on ``PYTHONPATH`` (installed or not), then ``overrides``."""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **overrides}
