@@ -37,7 +37,8 @@ def scan_every_call(monkeypatch):
     monkeypatch.setattr(model_lib.layer_scan, "SCAN_MIN_TOKENS", 1)
 
 
-def loop_features(model: model_lib.Transformer, tokens: jax.Array) -> jax.Array:
+def loop_features(model: model_lib.Transformer, tokens: jax.Array, *,
+                  inference: bool = False) -> jax.Array:
     """``Transformer.features`` as a Python loop over the blocks (the old form)."""
     x = model._embed(tokens)
     cos, sin = model._rope()
@@ -131,10 +132,16 @@ def test_each_kernel_is_traced_once_whatever_the_depth(monkeypatch):
             tokens, jnp.array([16]), cache)
         return str(jaxpr).count("pallas_call")
 
+    def inference_kernels(n_layers: int) -> int:  # remat off, never differentiated
+        model = model_lib.build("tiny", implementation="pallas", n_layers=n_layers)
+        jaxpr = jax.make_jaxpr(lambda t: model(t, inference=True))(tokens)
+        return str(jaxpr).count("pallas_call")
+
     one = kernels(1)
     assert one > 0
     assert kernels(4) == one
     assert prefill_kernels(4) == prefill_kernels(1) > 0
+    assert inference_kernels(4) == inference_kernels(1) > 0
     # A training forward without remat runs the loop (a scan would stack every layer's
     # residuals for the backward): each block is traced on its own.
     assert kernels(4, remat=False) == 4 * kernels(1, remat=False)
@@ -148,7 +155,7 @@ def test_each_kernel_is_traced_once_whatever_the_depth(monkeypatch):
 def test_scan_equals_the_loop_bitwise_in_bf16_without_excess_precision():
     script = textwrap.dedent("""
         import jax, numpy as np
-        from tests.test_layer_scan import loss_and_grads
+        from tests.test_layer_scan import loop_features, loss_and_grads
         from twell_jax import model as model_lib
         model_lib.layer_scan.SCAN_MIN_TOKENS = 1
         model = model_lib.build("tiny", implementation="pallas", seed=5, n_layers=3,
@@ -158,6 +165,13 @@ def test_scan_equals_the_loop_bitwise_in_bf16_without_excess_precision():
         b = loss_and_grads(model, tokens, loop=True)
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        # Never differentiated, the scan stacks the FFN's weights already cast: same features.
+        infer = model_lib.build("tiny", implementation="pallas", seed=6, n_layers=3)
+        scanned = jax.jit(lambda t: infer.features(t, inference=True))(tokens)
+        looped = jax.jit(lambda t: loop_features(infer, t))(tokens)
+        assert scanned.dtype == jax.numpy.bfloat16
+        np.testing.assert_array_equal(np.asarray(scanned, np.float32),
+                                      np.asarray(looped, np.float32))
         print("EQUAL", float(a[0]))
     """)
     env = subprocess_env(XLA_FLAGS="--xla_allow_excess_precision=false")

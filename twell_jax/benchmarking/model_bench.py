@@ -114,7 +114,7 @@ def time_call(fn: Callable, runs: int, sampler: PowerSampler | None = None,
 
 def last_logits(model: model_lib.Transformer, tokens: jax.Array) -> jax.Array:
     """The last position's logits [B, V] float32 of tokens [B, T]: what generation needs."""
-    return model.logits(model.features(tokens)[:, -1])
+    return model.logits(model.features(tokens, inference=True)[:, -1])
 
 
 def timing_optimizer() -> optax.GradientTransformation:

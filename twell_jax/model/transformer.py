@@ -37,9 +37,9 @@ class Transformer(nnx.Module):
         self.lm_head = (None if cfg.tie_embeddings
                         else _dense(rngs, cfg.d_model, cfg.vocab_size, cfg, ("embed", "vocab")))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens [B, T] int -> logits [B, T, V] float32."""
-        return self.logits(self.features(tokens))
+    def __call__(self, tokens: jax.Array, *, inference: bool = False) -> jax.Array:
+        """tokens [B, T] int -> logits [B, T, V] float32. ``inference``: as in ``features``."""
+        return self.logits(self.features(tokens, inference=inference))
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final-normed hidden states [..., D] -> logits [..., V] float32."""
@@ -49,13 +49,19 @@ class Transformer(nnx.Module):
             w = self.lm_head[...].astype(self.cfg.dtype)
         return mixed_precision_matmul(x, w, _F32)
 
-    def features(self, tokens: jax.Array) -> jax.Array:
+    def features(self, tokens: jax.Array, *, inference: bool = False) -> jax.Array:
         """tokens [B, T] int -> the final-normed hidden states [B, T, D] (compute dtype), the
         input of the output projection. Prefill needs only the last position's logits:
-        ``model.logits(model.features(tokens)[:, -1])`` avoids the [B, T, V] logits."""
+        ``model.logits(model.features(tokens, inference=True)[:, -1])`` avoids the [B, T, V]
+        logits.
+
+        ``inference=True`` promises that the call is never differentiated: a long one then runs
+        the blocks under the layer scan even without remat, so each kernel compiles once (a
+        differentiated call scans only with remat; see ``layer_scan.run_blocks``)."""
         x = self._embed(tokens)
         cos, sin = self._rope()
-        x, _ = run_blocks(self, self.blocks, self.cfg, lambda b, h: (b(h, cos, sin), ()), x)
+        x, _ = run_blocks(self, self.blocks, self.cfg, lambda b, h: (b(h, cos, sin), ()), x,
+                          inference=inference)
         return self.final_norm(x)
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
