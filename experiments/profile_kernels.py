@@ -65,6 +65,8 @@ class ProfileConfig:
     train: str = flag("", "training step shape BxT ('' to skip)")
     l1_coeff: float = flag(1e-4, "L1 coefficient of the training loss")
     remat: bool = flag(False, "recompute each block in the training step's backward")
+    scan_layers: bool = flag(True, "run the blocks of large calls under one scan "
+                             "(ModelConfig.scan_layers); --no-scan-layers: a Python loop")
     decode_batch: int = flag(1, "sequences in the decode loop (0 to skip decode)")
     context: int = flag(2048, "prompt + decode steps of the decode program")
     decode_steps: int = flag(32, "decode steps per profiled loop")
@@ -202,7 +204,7 @@ def fusion_sources(hlo: str) -> dict[str, str]:
 def _model(preset: str, impl: str, cfg: ProfileConfig, biases: np.ndarray | None,
            param_dtype=jnp.float32) -> model_lib.Transformer:
     model = model_lib.build(preset, implementation=impl, gate_bias=True, param_dtype=param_dtype,
-                            remat=cfg.remat, seed=cfg.seed)
+                            remat=cfg.remat, scan_layers=cfg.scan_layers, seed=cfg.seed)
     if biases is not None:
         for block, bias in zip(model.blocks, biases):
             block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
