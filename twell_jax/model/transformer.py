@@ -57,7 +57,9 @@ class Transformer(nnx.Module):
 
         ``inference=True`` promises that the call is never differentiated: a long one then runs
         the blocks under the layer scan even without remat, so each kernel compiles once (a
-        differentiated call scans only with remat; see ``layer_scan.run_blocks``)."""
+        differentiated call scans only with remat; see ``layer_scan.run_blocks``). Broken, the
+        promise costs no correctness: the gradients stay right, but the sparse FFN's weight
+        gradients round through the compute dtype and the scan keeps every layer's residuals."""
         x = self._embed(tokens)
         cos, sin = self._rope()
         x, _ = run_blocks(self, self.blocks, self.cfg, lambda b, h: (b(h, cos, sin), ()), x,
