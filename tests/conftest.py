@@ -7,6 +7,9 @@ first too) and is inherited by the subprocesses the tests start (they copy ``os.
 
 import os
 
+# A GPU machine (an NVIDIA device node), told apart before JAX starts.
+ON_GPU_MACHINE = os.path.exists("/dev/nvidia0")
+
 # The experiment scripts keep compiled programs in a cache folder by default
 # (twell_jax/cli.py, --compile-cache); tests that run them in-process leave the user's
 # cache alone. test_train checks the cache itself, in a subprocess.
@@ -23,7 +26,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # GPU machines: XLA's float32 products run in TF32 by default there (~1e-3 relative error),
 # and the float32 tests compare against float64 references at float32 tolerances. Full
 # float32 precision, as on the CPU. (bf16 products are unaffected.)
-if os.path.exists("/dev/nvidia0"):
+if ON_GPU_MACHINE:
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 # Without a GPU most of a test's time is XLA compiling small programs for the CPU. Without
@@ -31,7 +34,7 @@ if os.path.exists("/dev/nvidia0"):
 # 41 -> 28 s). The tests time nothing, and every comparison is against a reference computed in
 # the same process, so the unoptimised machine code changes no verdict. A user's XLA_FLAGS
 # stand; subprocess tests that set their own XLA_FLAGS run without it.
-if not os.path.exists("/dev/nvidia0") and "--xla_backend_optimization_level" not in \
+if not ON_GPU_MACHINE and "--xla_backend_optimization_level" not in \
         os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()

@@ -39,7 +39,8 @@ def scan_every_call(monkeypatch):
 
 def loop_features(model: model_lib.Transformer, tokens: jax.Array, *,
                   inference: bool = False) -> jax.Array:
-    """``Transformer.features`` as a Python loop over the blocks (the old form)."""
+    """``Transformer.features`` as a Python loop over the blocks (the old form); it takes
+    ``inference`` as ``features`` does, and ignores it: the loop never scans."""
     x = model._embed(tokens)
     cos, sin = model._rope()
     run = nnx.remat(lambda b, h: b(h, cos, sin), policy=model_lib.layer_scan.REMAT_POLICY) \
