@@ -73,6 +73,8 @@ class BenchArgs:
     weights_dtype: str = flag("bfloat16", "dtype of the weights passed to the FFNs (x is bf16): "
                               "float32 for master weights, as the models hold them",
                               choices=("bfloat16", "float32"))
+    hot_units: int = flag(tj.TwELLConfig().hot_units, "TwELLConfig.hot_units: the most units "
+                          "a batch may move to the hot GEMMs (0: none)")
     out: str = flag("runs/bench_ffn.jsonl", "JSON-lines file the measurements are appended to")
 
 
@@ -237,10 +239,12 @@ def run_case(case: Case, args: BenchArgs, config: tj.TwELLConfig, emit: Callable
     weights = op_weights(args, w_gate, w_up, w_down)
     unit_rows = tuple(tj.prepare_weights(*weights))
     sparse_with_stats = ffn("pallas", True)
-    fallback = bool(sparse_with_stats(x, *unit_rows)[1].dense_fallback)
+    sparse_stats = sparse_with_stats(x, *unit_rows)[1]
+    fallback = bool(sparse_stats.dense_fallback)
     plain = jax.jit(lambda *a: tj.gated_mlp(*a, implementation="xla", config=config))
     measure("xla dense FFN", plain, x, *weights)
-    measure("pallas TwELL FFN", ffn("pallas", False), x, *unit_rows, fallback=fallback)
+    measure("pallas TwELL FFN", ffn("pallas", False), x, *unit_rows, fallback=fallback,
+            hot_units=int(sparse_stats.hot_units))
     measure("xla dense FFN, weights [F, D]", ffn("xla", False), x, *unit_rows)
     measure("xla dense FFN, with statistics", ffn("xla", True), x, *unit_rows)
     measure("pallas TwELL FFN, with statistics", sparse_with_stats, x, *unit_rows,
@@ -420,7 +424,7 @@ def main(argv=None) -> list[dict]:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; have {sorted(CASES)} and suites {sorted(SUITES)}")
-    config = tj.TwELLConfig()
+    config = tj.TwELLConfig(hot_units=args.hot_units)
     header = cli.header(" ".join(sys.argv), backend=jax.default_backend(),
                            config=dataclasses.asdict(config), args=dataclasses.asdict(args))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -37,12 +37,14 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_config, check_dense_tiles, resolve_interpret
 
 
-def _row_pack_kernel(skip_ref, pre_ref, values_ref, columns_ref, counts_ref, total_ref, *,
-                     tiles_per_chunk: int, num_chunks: int, word_bits: int, num_slots: int):
+def _row_pack_kernel(skip_ref, exclude_ref, pre_ref, values_ref, columns_ref, counts_ref,
+                     total_ref, *, tiles_per_chunk: int, num_chunks: int, word_bits: int,
+                     num_slots: int):
     """One program: row ``program_id``, all its tiles in ``num_chunks`` steps; nothing at all
     when ``skip_ref[0]`` is set (the outputs are then unspecified).
 
-    Refs: skip [1] int32; pre [M, n_tiles, words_per_tile, word_bits] (the [M, F]
+    Refs: skip [1] int32; exclude [n_tiles, words_per_tile] int32, the bit masks of the
+    columns never listed; pre [M, n_tiles, words_per_tile, word_bits] (the [M, F]
     pre-activation, reshaped); outputs values [M, K], columns [M, K] int32, counts
     [M, n_tiles] int32, row_total [M] int32.
     """
@@ -51,13 +53,13 @@ def _row_pack_kernel(skip_ref, pre_ref, values_ref, columns_ref, counts_ref, tot
 
     @pl.when(skip_ref[0] == 0)
     def _():
-        _pack_row(row, pre_ref, values_ref, columns_ref, counts_ref, total_ref,
+        _pack_row(row, exclude_ref, pre_ref, values_ref, columns_ref, counts_ref, total_ref,
                   tiles_per_chunk=tiles_per_chunk, num_chunks=num_chunks, word_bits=word_bits,
                   num_slots=num_slots)
 
 
-def _pack_row(row, pre_ref, values_ref, columns_ref, counts_ref, total_ref, *, tiles_per_chunk,
-              num_chunks, word_bits, num_slots):
+def _pack_row(row, exclude_ref, pre_ref, values_ref, columns_ref, counts_ref, total_ref, *,
+              tiles_per_chunk, num_chunks, word_bits, num_slots):
     words_per_tile = pre_ref.shape[2]
     tile_width = words_per_tile * word_bits
     words_shape = (tiles_per_chunk, words_per_tile)
@@ -72,6 +74,7 @@ def _pack_row(row, pre_ref, values_ref, columns_ref, counts_ref, total_ref, *, t
         positive = jnp.logical_not(gate <= 0.0)  # > 0 or NaN
         # Distinct powers of two: their sum is their bitwise or (bit 31 wraps to the sign).
         masks = jnp.sum(jnp.where(positive, jnp.left_shift(1, bit), 0), axis=2)
+        masks = masks & ~exclude_ref[pl.ds(tile0, tiles_per_chunk), :]
         word_counts = jax.lax.population_count(masks)
         tile_counts = jnp.sum(word_counts, axis=1)
         counts_ref[row, pl.ds(tile0, tiles_per_chunk)] = tile_counts
@@ -140,8 +143,8 @@ def default_row_pack_config(m: int, f: int, tile_width: int) -> RowPackConfig:
 
 def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
              config: RowPackConfig | None = None, interpret: bool | None = None,
-             skip: jax.Array | None = None):
-    """Row lists of the positive entries of ``pre``.
+             skip: jax.Array | None = None, exclude: jax.Array | None = None):
+    """Row lists of the positive entries of ``pre``, leaving out the ``exclude`` columns.
 
     Args:
       pre: [M, F] gate pre-activation (bf16 or f32); F % tile_width == 0 (the caller pads).
@@ -151,6 +154,8 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
       skip: optional [] bool on the device: when true every program returns at once and
         all four outputs are unspecified (a batch the caller already sends to the dense
         path: no pass over ``pre``).
+      exclude: optional [F] bool: columns never listed nor counted (the hot units, which a
+        dense GEMM computes: ``twell_jax.hot_units``).
     Returns:
       values [M, K] pre.dtype, columns [M, K] int32 (valid for k < min(row_total, K), column
       order), counts [M, F / T] int32, row_total [M] int32.
@@ -164,6 +169,16 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
         raise ValueError(f"tiles_per_chunk={config.tiles_per_chunk} must divide the "
                          f"{n_tiles} tiles of F={f}")
     word_bits = min(32, tile_width)
+    words_per_tile = tile_width // word_bits
+    if exclude is None:
+        exclude = jnp.zeros((f,), jnp.bool_)
+    elif exclude.shape != (f,):
+        raise ValueError(f"exclude has shape {exclude.shape}, expected ({f},)")
+    bit = jnp.arange(word_bits, dtype=jnp.int32)
+    # Distinct powers of two: their sum is their bitwise or (bit 31 wraps to the sign).
+    exclude_words = jnp.sum(
+        jnp.where(exclude.reshape(n_tiles, words_per_tile, word_bits),
+                  jnp.left_shift(1, bit), 0), axis=2, dtype=jnp.int32)
     kernel = functools.partial(
         _row_pack_kernel, tiles_per_chunk=config.tiles_per_chunk,
         num_chunks=n_tiles // config.tiles_per_chunk, word_bits=word_bits, num_slots=num_slots)
@@ -181,14 +196,18 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
         interpret=resolve_interpret(interpret),
         name="twell_row_pack",
     )(jnp.reshape(jnp.asarray(False if skip is None else skip, jnp.int32), (1,)),
-      pre.reshape(m, n_tiles, tile_width // word_bits, word_bits))  # free: a view
+      exclude_words,
+      pre.reshape(m, n_tiles, words_per_tile, word_bits))  # free: a view
 
 
-def row_pack_reference(pre: jax.Array, *, tile_width: int, num_slots: int):
+def row_pack_reference(pre: jax.Array, *, tile_width: int, num_slots: int,
+                       exclude: jax.Array | None = None):
     """Plain-jnp :func:`row_pack` (entries past a row's list are zero here)."""
     m, f = check_dense_tiles(pre, tile_width, 1)
     gate = pre.astype(jnp.float32)
     positive = jnp.logical_not(gate <= 0.0)
+    if exclude is not None:
+        positive = positive & ~exclude[None, :]
     rank = jnp.cumsum(positive, axis=1, dtype=jnp.int32) - 1
     dest = jnp.where(positive & (rank < num_slots), rank, num_slots)  # num_slots = dropped
     rows = jnp.broadcast_to(jnp.arange(m)[:, None], (m, f))

@@ -27,7 +27,7 @@ def test_firing_rates_keep_the_mean(pattern):
 
 
 def test_firing_rates_reject_an_unknown_pattern():
-    with pytest.raises(ValueError, match="uniform or heavy"):
+    with pytest.raises(ValueError, match="uniform, heavy or hot64"):
         inputs.firing_rates(64, 2.0, "zipf")
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.add_product import add_product
 from pallas_kernels.add_rms_norm import add_rms_norm
 from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention
 from pallas_kernels.gemv import (GemvConfig, gemv, gemv_many, gemv_many_partial_sums,
@@ -67,6 +68,22 @@ def test_row_pack_lowers(dtype):
         S((M, F), dtype), S((), jnp.bool_))
     assert "twell_row_pack" in module
     assert plgpu.CUSTOM_CALL_TARGET_NAME in module
+
+
+def test_row_pack_with_excluded_columns_lowers():
+    module = export_for_cuda(
+        lambda pre, exclude: row_pack(pre, tile_width=128, num_slots=88, interpret=False,
+                                      exclude=exclude),
+        S((M, F), BF16), S((F,), jnp.bool_))
+    assert "twell_row_pack" in module
+
+
+@pytest.mark.parametrize("k", [64, 128])
+def test_add_product_lowers(k):
+    module = export_for_cuda(
+        lambda y, h, w, run: add_product(y, h, w, run, interpret=False),
+        S((M, D), BF16), S((M, k), BF16), S((k, D), BF16), S((), jnp.bool_))
+    assert "twell_add_product" in module
 
 
 @pytest.mark.parametrize("config", [None, RowUpDownConfig(block_d=128, num_warps=2, num_stages=2),

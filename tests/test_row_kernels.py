@@ -93,6 +93,33 @@ def test_row_pack_skip_flag():
     pack(pre, jnp.asarray(True))  # runs; nothing to compare
 
 
+@pytest.mark.parametrize("t", [64, 16])
+def test_row_pack_excludes_columns(t):
+    # The excluded columns (hot units) are neither listed nor counted, in every tile and word
+    # (bit 31 of a 32-bit word included); the others are listed as without exclusion.
+    rng = np.random.default_rng(seed_of("row_pack_exclude", t))
+    m, f, k = 9, 256, 40
+    pre = make_pre(m, f, "uniform", jnp.float32, rng)
+    pre = np.where(rng.random((m, f)) < 0.3, np.abs(pre) + 0.5, pre)  # some rows past K
+    exclude = rng.random(f) < 0.25
+    exclude[[0, 31, 32, 63, f - 1]] = True
+    values, columns, counts, totals = row_pack(jnp.asarray(pre), tile_width=t, num_slots=k,
+                                               exclude=jnp.asarray(exclude))
+    kept = np.where(exclude[None, :], -1.0, pre)
+    lists, want_counts, want_totals = numpy_pack(kept, t, k)
+    assert want_totals.sum() > 0 and (np.where(exclude, pre, -1.0) > 0).sum() > 0
+    np.testing.assert_array_equal(np.asarray(counts), want_counts)
+    np.testing.assert_array_equal(np.asarray(totals), want_totals)
+    for i, (cols, vals) in enumerate(lists):
+        n = min(len(cols), k)
+        np.testing.assert_array_equal(np.asarray(columns[i, :n]), cols[:n])
+        np.testing.assert_array_equal(np.asarray(values[i, :n]), np.asarray(vals[:n], np.float32))
+    ref = row_pack_reference(jnp.asarray(pre), tile_width=t, num_slots=k,
+                             exclude=jnp.asarray(exclude))
+    np.testing.assert_array_equal(np.asarray(ref[3]), want_totals)
+    np.testing.assert_array_equal(np.asarray(ref[2]), want_counts)
+
+
 def test_row_pack_propagates_nan():
     pre = np.full((4, 128), -1.0, np.float32)
     pre[0, 5] = np.nan

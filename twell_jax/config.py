@@ -37,6 +37,16 @@ class CostModel:
         slabs row by row and costs several dense FFNs (0.2x dense at 20%, one row)."""
         return entries * 2.0 * d * itemsize / self.decode_gather_bytes_per_s
 
+    def hot_units_pay(self, m: int, d: int, k: int, moved_entries, itemsize: int):
+        """[] bool: the ``moved_entries`` (traced) that K hot units take off the lists cost
+        the list kernels more than the hot GEMMs cost: x read once more, y read and written
+        again by the GEMM that adds the hot output, and 2 + 4 GEMMs of [m, d] x [d, k]
+        (forward and backward)."""
+        lists = moved_entries * 2.0 * d * itemsize / self.gather_bytes_per_s
+        gemms = (3.0 * m * d * itemsize / self.memory_bytes_per_s
+                 + 12.0 * m * d * k / self.gemm_flops_per_s)
+        return lists > gemms
+
     def dense_ffn_seconds(self, m: int, d: int, f: int, itemsize: int) -> float:
         """The whole dense FFN: three GEMMs' math or their weight reads, whichever is larger."""
         return 1.5 * self.dense_up_down_seconds(m, d, f, itemsize)
@@ -109,6 +119,13 @@ class TwELLConfig:
         (``"pallas"``: the gate product on the ``gemv`` kernel (up to 64 rows), then one
         ``scan_up_down`` kernel that walks each row's active units; no packing, no backup, no
         device-side routing). 0 disables it.
+      hot_units: K, the most units a batch may take off the lists as *hot* units: units
+        active on many of its tokens, computed by a small dense GEMM (``twell_jax.
+        hot_units``). Found per batch on the device from a sample of rows; a batch without
+        such units runs as if this were 0. 0 disables.
+      hot_unit_rate: a unit is hot when active on at least this share of the sampled rows.
+      hot_min_rows: calls of fewer token rows take no hot units (their launches would cost
+        more than they save).
     """
 
     tile_width: int = 128
@@ -118,6 +135,9 @@ class TwELLConfig:
     dense_fallback_density: float | None = None
     cost_model: CostModel = dataclasses.field(default_factory=lambda: CostModel())
     decode_rows: int = 64
+    hot_units: int = 64
+    hot_unit_rate: float = 1 / 32
+    hot_min_rows: int = 1024
 
     def __post_init__(self):
         if not is_power_of_two(self.tile_width) or self.tile_width < 16:
@@ -133,6 +153,12 @@ class TwELLConfig:
             raise ValueError(f"backup_rows must be None or an int >= 0, got {self.backup_rows!r}")
         if not isinstance(self.decode_rows, int) or self.decode_rows < 0:
             raise ValueError(f"decode_rows must be an int >= 0, got {self.decode_rows!r}")
+        for name in ("hot_units", "hot_min_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not 0.0 < self.hot_unit_rate <= 1.0:
+            raise ValueError(f"hot_unit_rate must be in (0, 1], got {self.hot_unit_rate!r}")
         if not 0.0 < self.max_row_density <= 1.0:
             raise ValueError(f"max_row_density must be in (0, 1], got {self.max_row_density!r}")
         if self.dense_fallback_density is not None and not (

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.common import default_interpret
-from twell_jax import backends
+from twell_jax import backends, hot_units
 from twell_jax.backends import DEFAULT_IMPLEMENTATION, Backend, Implementation, RowLists
 from twell_jax.config import DEFAULT_CONFIG, TwELLConfig
 from twell_jax.dense import dot_down, dot_rows, gate_pre_activation
@@ -65,6 +65,9 @@ class FFNStats(NamedTuple):
     dense_fallback: the whole batch took the dense path (overflow, more than half the rows
     heavy, or density above the cost of the sparse up/down for ``"pallas"``, see
     ``TwELLConfig.dense_fallback_density``).
+    hot_units: units a dense GEMM computed on the light rows instead of the lists (hot units,
+    ``TwELLConfig.hot_units``; 0 when none). The other counts include them, except
+    ``heavy_rows``, which the format decides without them.
     """
 
     nnz_mean: jax.Array
@@ -74,6 +77,7 @@ class FFNStats(NamedTuple):
     heavy_rows: jax.Array
     backup_overflow: jax.Array
     dense_fallback: jax.Array
+    hot_units: jax.Array
 
 
 class PartialSums(NamedTuple):
@@ -149,6 +153,7 @@ def _stats_from_active(active: jax.Array, l1_rows: jax.Array, config: TwELLConfi
         heavy_rows=num_heavy,
         backup_overflow=jnp.asarray(False),
         dense_fallback=jnp.asarray(False),
+        hot_units=jnp.zeros((), jnp.int32),
     )
 
 
@@ -279,6 +284,7 @@ class _Residuals(NamedTuple):
     backup: jax.Array  # [M] bool: the rows the dense backup computed (``_backup_rows``)
     num_heavy: jax.Array
     dense: jax.Array  # [] bool: the whole batch took the dense path
+    hot: hot_units.HotUnits | None  # the batch's hot units (left out of the lists)
 
     @property
     def gate(self) -> RowLists:
@@ -366,7 +372,7 @@ def _twell_forward(x, params, bias, gated, implementation, config):
     if _static_dense(backend, m, x.shape[1], f, x.dtype, config, differentiated=True):
         return _dense_forward_for_grad(x, params, bias, gated, config)
     weights = _compute_weights(x, params)
-    lists, counts, pre, skipped = backend.pack(x, weights[0], bias, config)
+    lists, counts, pre, skipped, hot = backend.pack(x, weights[0], bias, config)
     if skipped is not None:  # nothing listed: the counts are unspecified
         counts = jnp.where(skipped, 0, counts)
     heavy = heavy_rows(counts, config, f)
@@ -398,6 +404,17 @@ def _twell_forward(x, params, bias, gated, implementation, config):
         branches.append(functools.partial(dense_branch, config=config))
         route = jnp.where(skipped, len(branches) - 1, route)
     y, l1_sum, up_values, (nnz, num_heavy_out) = jax.lax.switch(route, branches)
+    num_hot = jnp.zeros((), jnp.int32)
+    if hot is not None:
+        # The hot units' output on the light rows (the backup's rows and a dense batch have
+        # theirs). Its per-row counts complete the statistics, except for a batch that was not
+        # listed, whose counts came from ``pre`` whole: that batch skips the hot GEMMs.
+        if skipped is not None:
+            hot = hot._replace(used=hot.used & ~skipped)
+        y, l1_hot, hot_nnz = hot_units.add_forward(y, x, weights, bias, gated, hot,
+                                                   ~(backup | dense), backend.add_product)
+        l1_sum, nnz = l1_sum + l1_hot, nnz + hot_nnz
+        num_hot = jnp.where(hot.used & ~dense, jnp.sum(hot.on, dtype=jnp.int32), 0)
     # An overflow is a fixed capacity exceeded.
     overflow = ((num_heavy_out > capacity) if config.backup_rows is not None
                 else jnp.asarray(False))
@@ -409,12 +426,13 @@ def _twell_forward(x, params, bias, gated, implementation, config):
         heavy_rows=num_heavy_out,
         backup_overflow=overflow,
         dense_fallback=dense,
+        hot_units=num_hot,
     )
     # Named so a remat policy can keep the packed lists (~1% of the dense residuals) instead of
     # recomputing the FFN forward in the backward (``RESIDUALS_NAME``).
     packed = jax.tree.map(lambda a: checkpoint_name(a, RESIDUALS_NAME),
                           (gate.values, up_values, gate.columns, gate.row_nnz, backup,
-                           num_heavy, dense))
+                           num_heavy, dense, hot))
     residuals = _Residuals(x, params, weights, bias, *packed)
     return (y, stats), residuals
 
@@ -524,7 +542,16 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
 
     branches = [*_backup_branches(with_backup, r.backup, sizes),
                 functools.partial(_dense_backward, gated, r, dy, l1_ct)]
-    return jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
+    dx, d_weights, d_bias = jax.lax.switch(_route(r.dense, r.num_heavy, sizes), branches)
+    if r.hot is None:
+        return dx, d_weights, d_bias
+    # The hot units' gradients on the light rows (a dense batch's are in its branch).
+    hot = r.hot._replace(used=r.hot.used & ~r.dense)
+    dx, hot_grads = hot_units.add_backward(dx, r.x, r.weights, r.bias, gated, hot,
+                                           ~(r.backup | r.dense), dy, l1_ct,
+                                           backend.add_product)
+    d_weights, d_bias = hot_units.scatter_grads(d_weights, d_bias, hot, hot_grads)
+    return dx, d_weights, d_bias
 
 
 def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_sums=False):
@@ -674,7 +701,7 @@ def _ffn(x, weights: FFNWeights, bias, implementation, config, return_stats,
         zero = jnp.zeros((), _F32)
         zero_int = jnp.zeros((), jnp.int32)
         stats = FFNStats(zero, zero_int, zero_int, zero, zero_int, jnp.asarray(False),
-                         jnp.asarray(False))
+                         jnp.asarray(False), zero_int)
     elif not backend.sparse:
         y, stats = _dense_with_stats(x2, weights, bias, gated, config)
     elif _static_dense(backend, x2.shape[0], x2.shape[1], weights[0].shape[0], x.dtype, config):

@@ -85,34 +85,46 @@ SAMPLE_ROWS = 256
 """Rows of a batch's pre-activation read to decide, before packing, that it goes dense."""
 
 
-def sampled_row_counts(pre: jax.Array, sample_rows: int = SAMPLE_ROWS) -> jax.Array:
-    """[R] int32: active units (> 0 or NaN) in every (M / sample_rows)-th row of ``pre``
-    [M, F'] (padded columns never positive)."""
+def sampled_active(pre: jax.Array, sample_rows: int = SAMPLE_ROWS) -> jax.Array:
+    """[R, F'] bool: the active units (> 0 or NaN) of every (M / sample_rows)-th row of
+    ``pre`` [M, F'] (padded columns never positive)."""
     stride = max(1, pre.shape[0] // sample_rows)
-    return jnp.sum(jnp.logical_not(pre[::stride] <= 0), axis=1, dtype=jnp.int32)
+    return jnp.logical_not(pre[::stride] <= 0)
+
+
+def sampled_row_counts(pre: jax.Array, sample_rows: int = SAMPLE_ROWS,
+                       exclude: jax.Array | None = None) -> jax.Array:
+    """[R] int32: active units in every (M / sample_rows)-th row of ``pre`` [M, F'], not
+    counting the ``exclude`` [F'] bool columns (the hot units, which leave the lists)."""
+    active = sampled_active(pre, sample_rows)
+    if exclude is not None:
+        active = active & ~exclude[None, :]
+    return jnp.sum(active, axis=1, dtype=jnp.int32)
 
 
 def mostly_heavy(pre: jax.Array, config: TwELLConfig, d_ff: int, sample_rows: int = SAMPLE_ROWS,
-                 share: float = 0.75) -> jax.Array:
+                 share: float = 0.75, exclude: jax.Array | None = None) -> jax.Array:
     """[] bool: more than ``share`` of a sample of rows of the pre-activation ``pre`` [M, F']
     (F' >= d_ff, padded columns never positive) hold more active units than a light row may
     (``config.max_row_nnz``): the batch will go dense (past half its rows heavy), so there is
     no point in listing it. Every (M / sample_rows)-th row is read; the tile limit is not
-    checked, so the heavy share is never overestimated."""
-    active = sampled_row_counts(pre, sample_rows)
+    checked, so the heavy share is never overestimated. ``exclude``: as
+    ``sampled_row_counts``'."""
+    active = sampled_row_counts(pre, sample_rows, exclude)
     return jnp.mean((active > config.max_row_nnz(d_ff)).astype(jnp.float32)) > share
 
 
 def sampled_cost_says_dense(pre: jax.Array, config: TwELLConfig, d_ff: int, d_model: int,
                             itemsize: int, margin: float = 1.25,
-                            sample_rows: int = SAMPLE_ROWS) -> jax.Array:
+                            sample_rows: int = SAMPLE_ROWS,
+                            exclude: jax.Array | None = None) -> jax.Array:
     """[] bool: the cost model (``config.cost_model``), given the light rows' entries and the
     heavy rows (by the row cap) of a sample of rows scaled to the batch, puts the sparse
     up/down above ``margin`` x the dense GEMMs'. Such a batch goes dense without being listed
     (its exact counts would only confirm it): the pack's pass over ``pre`` is saved. The margin
-    leaves the close calls to the exact counts."""
+    leaves the close calls to the exact counts. ``exclude``: as ``sampled_row_counts``'."""
     m = pre.shape[0]
-    active = sampled_row_counts(pre, sample_rows)
+    active = sampled_row_counts(pre, sample_rows, exclude)
     heavy = active > config.max_row_nnz(d_ff)
     scale = m / active.shape[0]
     light_nnz = scale * jnp.sum(jnp.where(heavy, 0, active).astype(jnp.float32))

@@ -36,12 +36,21 @@ def firing_rates(d_ff: int, mean_nnz: float, pattern: str) -> np.ndarray:
 
     ``uniform``: every unit alike. ``heavy``: Zipf-like, as in trained models where a few units
     fire on a large share of tokens (the busiest ~1000x as often as the median unit), capped
-    at 0.5, the excess handed to the others so the mean stays.
+    at 0.5, the excess handed to the others so the mean stays. ``hot64``: 64 units (chosen at
+    random) active on 85% of the tokens, every other unit alike.
     """
     if pattern == "uniform":
         return np.full(d_ff, mean_nnz / d_ff)
+    if pattern == "hot64":
+        num_hot, hot_rate = 64, 0.85
+        if num_hot >= d_ff or not 0 < mean_nnz - num_hot * hot_rate < d_ff - num_hot:
+            raise ValueError(f"hot64 needs d_ff > 64 and mean_nnz in (54.4, ...), got "
+                             f"d_ff={d_ff}, mean_nnz={mean_nnz}")
+        p = np.full(d_ff, (mean_nnz - num_hot * hot_rate) / (d_ff - num_hot))
+        p[np.random.default_rng(2).permutation(d_ff)[:num_hot]] = hot_rate
+        return p
     if pattern != "heavy":
-        raise ValueError(f"pattern must be uniform or heavy, got {pattern!r}")
+        raise ValueError(f"pattern must be uniform, heavy or hot64, got {pattern!r}")
     rank = np.random.default_rng(1).permutation(d_ff) + 1.0
     p = rank ** -0.8
     p = p / p.sum() * mean_nnz

@@ -147,7 +147,8 @@ def reduce_stats(stats: FFNStats, axes: tuple[str, ...]) -> FFNStats:
     ``nnz_p99`` becomes the maximum of the per-device percentiles: an upper bound (on every
     device at least 99% of the counts are at or below it). ``backup_overflow`` and
     ``dense_fallback`` are true if they were on some device: both are decided per device, and
-    a fixed ``TwELLConfig.backup_rows`` is a capacity per device."""
+    a fixed ``TwELLConfig.backup_rows`` is a capacity per device. ``hot_units``: the most on
+    one device (each chooses its own)."""
     l1 = stats.l1
     # Only l1 is differentiable; pmax has no derivative rule, even for counts.
     stats = jax.lax.stop_gradient(stats)
@@ -160,6 +161,7 @@ def reduce_stats(stats: FFNStats, axes: tuple[str, ...]) -> FFNStats:
         heavy_rows=jax.lax.psum(stats.heavy_rows, axes),
         backup_overflow=any_(stats.backup_overflow),
         dense_fallback=any_(stats.dense_fallback),
+        hot_units=jax.lax.pmax(stats.hot_units, axes),
     )
 
 

@@ -4,7 +4,7 @@ A sparse backend (``sparse=True``) fills the four building blocks. Every weight 
 row per unit (``twell_jax.layout``).
 
 - ``pack(x [M, D], w [F, D], bias [F] or None, config)`` -> ``(lists: RowLists, counts [M,
-  n_tiles] int32, pre, skipped)``: the positive entries of ``relu(x @ w.T + bias)`` listed per
+  n_tiles] int32, pre, skipped, hot)``: the positive entries of ``relu(x @ w.T + bias)`` listed per
   row in column order (``lists.values`` [M, K] x.dtype, ``lists.columns`` [M, K] int32,
   ``lists.row_nnz`` [M] int32 the true row totals) and the true per-tile counts. Only light
   rows' lists (``format.heavy_rows`` false; K >= ``config.max_row_nnz(F)`` or every tile's S
@@ -12,7 +12,9 @@ row per unit (``twell_jax.layout``).
   pre-activation ``x @ w.T`` in x.dtype when the backend computed it anyway (the dense fallback
   then reuses it), else None. ``skipped``: None, or (a backend that returns ``pre``) a [] bool
   that, when true, says the batch is mostly heavy rows (``format.mostly_heavy``) and nothing
-  was listed: lists and counts are then unspecified and the batch goes dense.
+  was listed: lists and counts are then unspecified and the batch goes dense. ``hot``: the
+  batch's hot units (``hot_units.select``, None when the call takes none), which the lists
+  and counts leave out.
 - ``up_down(x, w_up [F, D], w_down [F, D], gate: RowLists)`` -> ``(y [M, D] x.dtype,
   up_values [M, K] float32, l1 [M] float32)``: the gated up/down projection on the lists and
   each row's ``sum |h|`` over its first ``row_nnz`` entries (h = g * u); with x and w_up None
@@ -35,6 +37,9 @@ row per unit (``twell_jax.layout``).
   calls of at most ``TwELLConfig.decode_rows`` rows that are not differentiated (decode
   steps); every row is exact whatever its count, so there is no dense backup and no
   device-side routing.
+- ``add_product(y [M, D], h [M, K], w [K, D], run [] bool)`` -> ``y + h @ w`` (float32
+  accumulation, rounded once to y.dtype) where ``run``, else y; ideally in y's buffer: the hot
+  units' output and input gradient (``twell_jax.hot_units``).
 
 The dense backend (``sparse=False``) supplies none: ``ffn.py`` runs the dense function.
 """
@@ -74,3 +79,4 @@ class Backend:
     row_dx: Callable | None = None
     sparse_outer: Callable | None = None
     decode: Callable | None = None
+    add_product: Callable | None = None

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common as kernels_common
+from pallas_kernels.add_product import add_product, add_product_reference
+from pallas_kernels.add_product import fits as add_product_fits
 from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pallas_kernels.gemv import gemv_partial_sums
@@ -32,7 +34,8 @@ from pallas_kernels.sparse_outer import sparse_outer
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
 from twell_jax.dense import gate_pre_activation
-from twell_jax.format import mostly_heavy, sampled_cost_says_dense
+from twell_jax import hot_units
+from twell_jax.format import mostly_heavy, sampled_active, sampled_cost_says_dense
 
 _D_BLOCK_MAX = 512  # sparse_outer: D padded so a power-of-two chunk <= 512 divides it
 _D_MULTIPLE = 64  # the row kernels: D padded to a multiple of 64, split into power-of-two chunks
@@ -55,25 +58,33 @@ def _pad(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
+    m = x.shape[0]
     f, d = w.shape
     f_pad = config.num_tiles(f) * config.tile_width
+    itemsize = jnp.dtype(x.dtype).itemsize
+    cost_decides = config.cost_model_decides(kernels_common.default_interpret())
     # The GEMM emits x.dtype (fp32 accumulation inside): half the bytes for the pack to read.
     # Padded units have zero weights and bias: never active.
     pre = gate_pre_activation(x, _pad(w, (f_pad, d)),
                               None if bias is None else _pad(bias, (f_pad,)))
+    # The batch's hot units, from the same sample of rows as the decisions below; the lists
+    # and those decisions leave them out.
+    hot = hot_units.select(sampled_active(pre), m, d, f, itemsize, config, cost_decides)
+    exclude = None if hot is None else hot.mask
     # A batch whose rows are mostly heavy goes dense whatever its lists say: row_pack then
     # returns at once instead of reading the 184 MB pre-activation (M = 16384, F = 5632) for
     # nothing, and the dense branch takes the statistics from ``pre`` (``ffn._twell_forward``).
-    skipped = mostly_heavy(pre, config, f)
-    if config.cost_model_decides(kernels_common.default_interpret()):
+    skipped = mostly_heavy(pre, config, f, exclude=exclude)
+    if cost_decides:
         # Compiled, the cost model routes: a batch it clearly sends dense (a sample of rows
         # says so) skips the pack too. (M = 16384, 1% uniform: ~40% of the rows heavy, so not
         # mostly heavy, yet dense by the cost model: the pack's read of ``pre`` was for nothing.)
-        skipped = skipped | sampled_cost_says_dense(pre, config, f, d,
-                                                    jnp.dtype(x.dtype).itemsize)
+        skipped = skipped | sampled_cost_says_dense(pre, config, f, d, itemsize,
+                                                    exclude=exclude)
     values, columns, counts, row_total = row_pack(
-        pre, tile_width=config.tile_width, num_slots=config.max_row_nnz(f), skip=skipped)
-    return RowLists(values, columns, row_total), counts, pre[:, :f], skipped
+        pre, tile_width=config.tile_width, num_slots=config.max_row_nnz(f), skip=skipped,
+        exclude=exclude)
+    return RowLists(values, columns, row_total), counts, pre[:, :f], skipped, hot
 
 
 def _pad_up_down(x, w_up, w_down):
@@ -136,6 +147,14 @@ def _decode(x, w_in, bias, w_up, w_down, partial_sums=False):
     return y, l1, jnp.logical_not(pre <= 0)  # active: > 0 or NaN
 
 
+def _add_product(y, h, w, run):
+    # In place on the kernel where the blocks divide the shapes (the models' do); elsewhere
+    # XLA's product, which may copy y.
+    if add_product_fits(*y.shape, h.shape[1]):
+        return add_product(y, h, w, run)
+    return add_product_reference(y, h, w, run)
+
+
 # The cost model may route to dense: the kernels' rates are what it measures.
 BACKEND = Backend(sparse=True, cost_model_routes=True,
                   pack=jax.jit(_pack, static_argnames="config"),
@@ -143,4 +162,5 @@ BACKEND = Backend(sparse=True, cost_model_routes=True,
                   row_grads=jax.jit(_row_grads),
                   row_dx=jax.jit(_row_dx, static_argnames="dx_dtype"),
                   sparse_outer=jax.jit(_sparse_outer, static_argnames="d_ff"),
-                  decode=_decode)
+                  decode=_decode,
+                  add_product=_add_product)

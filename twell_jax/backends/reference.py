@@ -12,13 +12,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.add_product import add_product_reference
 from pallas_kernels.row_up_down import row_up_down_reference
 from pallas_kernels.scan_up_down import scan_up_down_reference
 from pallas_kernels.sparse_outer import sparse_outer_reference
+from twell_jax import hot_units
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
 from twell_jax.dense import dot_rows
-from twell_jax.format import pack_tiles, row_compact, valid_entries
+from twell_jax.format import pack_tiles, row_compact, sampled_active, valid_entries
 
 _F32 = jnp.float32
 
@@ -63,12 +65,20 @@ def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax
 
 
 def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
+    (m, d), f = x.shape, w.shape[0]
     pre = dot_rows(x, w, jnp.float32)
-    gate = jax.nn.relu(pre if bias is None else pre + bias.astype(jnp.float32))
+    if bias is not None:
+        pre = pre + bias.astype(jnp.float32)
+    hot = hot_units.select(sampled_active(pre), m, d, f, jnp.dtype(x.dtype).itemsize, config,
+                           cost_decides=False)
+    gate = jax.nn.relu(pre)
+    if hot is not None:  # the hot units are left out of the lists
+        gate = jnp.where(hot.mask[None, :], 0.0, gate)
     values, columns, counts = pack_tiles(gate, config.tile_width, config.slots_per_tile)
     values, columns, _ = row_compact(values.astype(x.dtype), columns, counts,
                                      config.slots_per_tile)
-    return RowLists(values, columns, counts.sum(axis=1, dtype=jnp.int32)), counts, None, None
+    lists = RowLists(values, columns, counts.sum(axis=1, dtype=jnp.int32))
+    return lists, counts, None, None, hot
 
 
 def _up_down(x, w_up, w_down, gate: RowLists):
@@ -117,4 +127,5 @@ def _decode(x, w_in, bias, w_up, w_down, partial_sums=False):
 
 
 BACKEND = Backend(sparse=True, pack=_pack, up_down=_up_down, row_grads=_row_grads,
-                  row_dx=_row_dx, sparse_outer=sparse_outer, decode=_decode)
+                  row_dx=_row_dx, sparse_outer=sparse_outer, decode=_decode,
+                  add_product=add_product_reference)

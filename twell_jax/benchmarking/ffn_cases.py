@@ -28,8 +28,9 @@ class Case:
     m: int
     d: int
     f: int
-    # uniform | heavy_tailed (row skew) | hot_units (column skew) | trained (rows' counts drawn
-    # from TRAINED_NNZ, scaled to F)
+    # uniform | heavy_tailed (row skew) | hot_units (column skew, Zipf-like) | hot64 (64 units
+    # on 85% of the tokens, the rest uniform) | trained (rows' counts drawn from TRAINED_NNZ,
+    # scaled to F)
     pattern: str
     nnz_target: float  # mean active units per token
     p99_target: float | None = None  # heavy-tailed only
@@ -74,6 +75,9 @@ CASES = {
         # Zipf-like per-unit rates (inputs.firing_rates "heavy"): the busiest units fire on
         # half the tokens, as in trained models; row counts stay near the mean.
         Case("m16k_hot_units", 16384, 2048, 5632, "hot_units", 28.0),
+        # A few units firing for most tokens: 64 on 85%, 0.4% of the others (76 per token).
+        Case("m16k_hot64", 16384, 2048, 5632, "hot64", 54.4 + 0.004 * (5632 - 64)),
+        Case("smoke_hot64", 2048, 256, 1024, "hot64", 54.4 + 0.01 * (1024 - 64)),
         # The issue's trained-model case: rows drawn from our 100m model's counts, x 5632 / 2560.
         Case("m16k_trained", 16384, 2048, 5632, "trained", trained_mean(5632)),
         Case("m128k_uniform28", 131072, 2048, 5632, "uniform", 28.0),
@@ -93,7 +97,7 @@ SUITES = {
     "smoke": ["smoke_uniform", "smoke_heavy"],
     "paper": ["m16k_uniform28", "m16k_heavy", "m16k_uniform2pct", "m16k_trained", "decode_m1",
               "decode_m8", "decode_m64", "wide_m16k_uniform28", "m128k_uniform28"],
-    "training": ["m16k_uniform28", "m16k_heavy", "m16k_hot_units"],
+    "training": ["m16k_uniform28", "m16k_heavy", "m16k_hot_units", "m16k_hot64"],
     "decode": ["decode_m1", "decode_m8", "decode_m64", "decode_m8_heavy", "decode_m64_heavy",
                "decode_m1_half_dense"],
 }
@@ -141,7 +145,7 @@ def trained_row_scales(m: int, f: int, rng: np.random.Generator) -> np.ndarray:
 def make_case_inputs(case: Case, seed: int = 0):
     """bf16 x [M, D] and weights with the case's sparsity; pre-activations ~ N(0, scale^2)."""
     rng = np.random.default_rng(seed)
-    if case.pattern == "hot_units":
+    if case.pattern in ("hot_units", "hot64"):
         threshold, sigma = 0.0, 0.0
     elif case.pattern == "trained":
         threshold, sigma = TRAINED_THRESHOLD, 0.0
@@ -157,9 +161,9 @@ def make_case_inputs(case: Case, seed: int = 0):
         x = x * jnp.asarray(trained_row_scales(m, f, rng), jnp.float32)[:, None]
     x = x.at[:, -1].set(1.0)
     w_gate = jax.random.normal(kg, (d, f), jnp.float32) / math.sqrt(d - 1)
-    if case.pattern == "hot_units":
-        w_gate = inputs.with_threshold_row(
-            w_gate, inputs.firing_rates(f, case.nnz_target, "heavy"))
+    if case.pattern in ("hot_units", "hot64"):
+        rates = "heavy" if case.pattern == "hot_units" else "hot64"
+        w_gate = inputs.with_threshold_row(w_gate, inputs.firing_rates(f, case.nnz_target, rates))
     else:
         w_gate = w_gate.at[-1].set(-threshold)
     w_up = jax.random.normal(ku, (d, f), jnp.float32) / math.sqrt(d)
