@@ -19,16 +19,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_config, resolve_interpret
+from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_interpret
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AddProductConfig:
-    """Knobs of :func:`add_product`: block rows, block columns (powers of two dividing M and
-    D), Triton warps."""
+    """Knobs of :func:`add_product`: block rows (a power of two dividing M), the most block
+    columns (the largest power of two up to it dividing D is used), Triton warps. Large
+    blocks: a batch without hot units pays one launch of few programs."""
 
     block_m: int = 128
-    block_d: int = 128
+    block_d: int = 256
     num_warps: int = 4
 
     def __post_init__(self):
@@ -42,12 +43,16 @@ def _kernel(run_ref, h_ref, w_ref, y_ref, out_ref):
         out_ref[...] = (y_ref[...].astype(jnp.float32) + product).astype(out_ref.dtype)
 
 
+def _block_d(d: int, config: AddProductConfig) -> int:
+    return largest_pow2_divisor(d, config.block_d)
+
+
 def fits(m: int, d: int, k: int, config: AddProductConfig | None = None) -> bool:
-    """Whether :func:`add_product` takes these shapes: blocks divide M and D, K a multiple of
-    16 (the tensor cores' step)."""
+    """Whether :func:`add_product` takes these shapes: a row block divides M, a power of two
+    of at least 16 divides D, K is a multiple of 16 (the tensor cores' step)."""
     config = AddProductConfig() if config is None else config
-    return m % min(config.block_m, m) == 0 and d % config.block_d == 0 and k % 16 == 0 \
-        and m >= 16
+    return (m >= 16 and m % min(config.block_m, m) == 0 and _block_d(d, config) >= 16
+            and k % 16 == 0)
 
 
 def add_product(y: jax.Array, h: jax.Array, w: jax.Array, run: jax.Array, *,
@@ -67,20 +72,20 @@ def add_product(y: jax.Array, h: jax.Array, w: jax.Array, run: jax.Array, *,
     if h.shape != (m, k) or w.shape != (k, d):
         raise ValueError(f"add_product: y {y.shape}, h {h.shape}, w {w.shape} do not chain")
     if not fits(m, d, k, config):
-        raise ValueError(f"add_product: blocks {config.block_m} x {config.block_d} must divide "
-                         f"y {y.shape} and K={k} be a multiple of 16")
-    block_m = min(config.block_m, m)
+        raise ValueError(f"add_product: blocks of {config.block_m} rows and a power of two >= "
+                         f"16 columns must divide y {y.shape}, and K={k} be a multiple of 16")
+    block_m, block_d = min(config.block_m, m), _block_d(d, config)
     return pl.pallas_call(
         _kernel,
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        grid=(m // block_m, d // config.block_d),
+        grid=(m // block_m, d // block_d),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (0,)),
             pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-            pl.BlockSpec((k, config.block_d), lambda i, j: (0, j)),
-            pl.BlockSpec((block_m, config.block_d), lambda i, j: (i, j)),
+            pl.BlockSpec((k, block_d), lambda i, j: (0, j)),
+            pl.BlockSpec((block_m, block_d), lambda i, j: (i, j)),
         ],
-        out_specs=pl.BlockSpec((block_m, config.block_d), lambda i, j: (i, j)),
+        out_specs=pl.BlockSpec((block_m, block_d), lambda i, j: (i, j)),
         input_output_aliases={3: 0},
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps),
         interpret=resolve_interpret(interpret),

@@ -160,6 +160,7 @@ def test_add_product_kernel_adds_or_leaves_y(dtype):
     y, h, w = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((m, d), (m, k), (k, d)))
     config = AddProductConfig(block_m=32, block_d=128)
     assert fits(m, d, k, config) and not fits(m, 100, k, config) and not fits(m, d, 24, config)
+    assert fits(m, 48, k, config)  # a block of 16 columns
     for run in (True, False):
         got = jax.jit(lambda y, h, w, r: add_product(y, h, w, r, config=config))(
             y, h, w, jnp.asarray(run))
