@@ -22,6 +22,7 @@ from twell_jax import inputs
 from twell_jax import model as model_lib
 from twell_jax.backends import Implementation
 from twell_jax.benchmarking.power import ENERGY_WINDOW_S, PowerSampler
+from twell_jax.config import TwELLConfig
 
 
 MEASURED: tuple[Implementation, ...] = ("xla", "pallas")  # the dense baseline and the kernels
@@ -44,6 +45,8 @@ class BenchConfig:
     l1_coeff: float = flag(1e-4, "L1 coefficient in the training loss")
     scan_layers: bool = flag(True, "run the blocks of large calls under one scan "
                              "(ModelConfig.scan_layers); --no-scan-layers: a Python loop")
+    hot_units: int = flag(TwELLConfig().hot_units, "TwELLConfig.hot_units of the sparse "
+                          "model's layers (0: no hot units)")
     seed: int = flag(0, "seed of the weights and the token batches")
     time_budget: float = flag(0.0, "seconds; later presets are skipped and reported (0: none)")
     out: str = flag("runs/bench_model.jsonl", "JSON-lines file the measurements are appended to")
@@ -201,7 +204,8 @@ def compiled_bytes(compiled) -> int | None:
 def build_model(preset: str, implementation: str, cfg: BenchConfig):
     """The preset with gate biases, remat off (training sets it per measurement)."""
     return model_lib.build(preset, implementation=implementation, gate_bias=True, seed=cfg.seed,
-                           scan_layers=cfg.scan_layers)
+                           scan_layers=cfg.scan_layers,
+                           twell=TwELLConfig(hot_units=cfg.hot_units))
 
 
 def token_batch(mcfg, cfg: BenchConfig, b: int, t: int) -> jax.Array:
