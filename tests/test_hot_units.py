@@ -83,8 +83,12 @@ def test_select_finds_the_hot_units_and_leaves_a_uniform_batch_alone():
 def test_cost_model_takes_hot_units_only_when_they_pay():
     cost = tj.TwELLConfig().cost_model
     m, d, k = 16384, 2048, 64
-    assert bool(cost.hot_units_pay(m, d, k, m * 48.0, 2))  # 48 entries a token moved
-    assert not bool(cost.hot_units_pay(m, d, k, m * 1.0, 2))  # one entry a token
+    for differentiated in (True, False):
+        assert bool(cost.hot_units_pay(m, d, k, m * 48.0, 2, differentiated))  # 48 a token
+        assert not bool(cost.hot_units_pay(m, d, k, m * 1.0, 2, differentiated))  # one
+    # ~9 a token (the Zipf-like case's busiest units): worth it for training, not inference.
+    assert bool(cost.hot_units_pay(m, d, k, m * 9.0, 2, True))
+    assert not bool(cost.hot_units_pay(m, d, k, m * 9.0, 2, False))
 
 
 @pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "plain"])

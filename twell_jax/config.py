@@ -17,7 +17,10 @@ class CostModel:
     TFLOP/s; ``row_up_down`` reads gathered weight rows at ~5.4 TB/s while the two weight
     matrices fit in L2 (D = 2048, F = 5632: 46 MB) and ~2.6 TB/s from HBM (D = 4096, F =
     14336); device memory copies at ~3.0 TB/s; and the sparse path costs ~0.3 ms per call
-    whatever the batch (0.26-0.34 ms measured at M = 1).
+    whatever the batch (0.26-0.34 ms measured at M = 1). An entry that hot units take off
+    the lists saved ~0.64 ns in the forward (M = 16384, 64 units on 85% of the tokens: 1.73
+    -> 1.26-1.30 ms) and ~2.7 ns in forward and backward (5.35 -> 2.92-2.95 ms); the hot
+    path's small launches cost ~20 us a pass beside its GEMMs.
     """
 
     gemm_flops_per_s: float = 6.5e14
@@ -28,6 +31,9 @@ class CostModel:
     sparse_fixed_seconds: float = 3.0e-4
     decode_gather_bytes_per_s: float = 1.6e12
     decode_dense_density: float = 1 / 16
+    hot_entry_bytes_per_s: float = 1.28e13
+    hot_entry_train_bytes_per_s: float = 3.0e12
+    hot_fixed_seconds: float = 2.0e-5
 
     def decode_up_down_seconds(self, d: int, entries, itemsize: int):
         """The decode path's up/down (``scan_up_down``) over ``entries`` active (row, unit)
@@ -37,14 +43,20 @@ class CostModel:
         slabs row by row and costs several dense FFNs (0.2x dense at 20%, one row)."""
         return entries * 2.0 * d * itemsize / self.decode_gather_bytes_per_s
 
-    def hot_units_pay(self, m: int, d: int, k: int, moved_entries, itemsize: int):
+    def hot_units_pay(self, m: int, d: int, k: int, moved_entries, itemsize: int,
+                      differentiated: bool):
         """[] bool: the ``moved_entries`` (traced) that K hot units take off the lists cost
-        the list kernels more than the hot GEMMs cost: x read once more, y read and written
-        again by the GEMM that adds the hot output, and 2 + 4 GEMMs of [m, d] x [d, k]
-        (forward and backward)."""
-        lists = moved_entries * 2.0 * d * itemsize / self.gather_bytes_per_s
-        gemms = (3.0 * m * d * itemsize / self.memory_bytes_per_s
-                 + 12.0 * m * d * k / self.gemm_flops_per_s)
+        the list kernels more than the hot GEMMs and their fixed cost. An entry's two weight
+        rows, moved at ``hot_entry_bytes_per_s`` (forward alone) or
+        ``hot_entry_train_bytes_per_s`` (forward and backward), against: x read once more,
+        y (and in the backward dy, dx) read and written again, 2 (forward) or 6 GEMMs of
+        [m, d] x [d, k], and ``hot_fixed_seconds`` per pass."""
+        passes = 2.0 if differentiated else 1.0
+        rate = self.hot_entry_train_bytes_per_s if differentiated else self.hot_entry_bytes_per_s
+        lists = moved_entries * 2.0 * d * itemsize / rate
+        gemms = passes * (3.0 * m * d * itemsize / self.memory_bytes_per_s
+                          + self.hot_fixed_seconds) + (
+            (12.0 if differentiated else 4.0) * m * d * k / self.gemm_flops_per_s)
         return lists > gemms
 
     def dense_ffn_seconds(self, m: int, d: int, f: int, itemsize: int) -> float:

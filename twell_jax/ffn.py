@@ -363,7 +363,7 @@ def _dense_forward_for_grad(x, params, bias, gated, config):
     return (y, stats), _DenseVJP(pullback)
 
 
-def _twell_forward(x, params, bias, gated, implementation, config):
+def _twell_forward(x, params, bias, gated, implementation, config, differentiated=True):
     backend = backends.get(implementation)
     m = x.shape[0]
     f = params[0].shape[0]
@@ -372,7 +372,10 @@ def _twell_forward(x, params, bias, gated, implementation, config):
     if _static_dense(backend, m, x.shape[1], f, x.dtype, config, differentiated=True):
         return _dense_forward_for_grad(x, params, bias, gated, config)
     weights = _compute_weights(x, params)
-    lists, counts, pre, skipped, hot = backend.pack(x, weights[0], bias, config)
+    # ``differentiated``: the backward runs too (the custom_vjp's forward), which changes
+    # what hot units save (``CostModel.hot_units_pay``).
+    lists, counts, pre, skipped, hot = backend.pack(x, weights[0], bias, config,
+                                                    differentiated=differentiated)
     if skipped is not None:  # nothing listed: the counts are unspecified
         counts = jnp.where(skipped, 0, counts)
     heavy = heavy_rows(counts, config, f)
@@ -608,7 +611,8 @@ def _twell_ffn(x, params, bias, gated, implementation, config):
     backend = backends.get(implementation)
     if _uses_decode(backend, x.shape[0], config):
         return _decode_forward(backend, x, params, bias, gated, config)
-    return _twell_forward(x, params, bias, gated, implementation, config)[0]
+    return _twell_forward(x, params, bias, gated, implementation, config,
+                          differentiated=False)[0]
 
 
 _twell_ffn.defvjp(_twell_forward, _twell_backward)

@@ -54,7 +54,8 @@ def slots(m: int, d_ff: int, config: TwELLConfig) -> int:
 
 
 def select(active_sample: jax.Array, m: int, d_model: int, d_ff: int, itemsize: int,
-           config: TwELLConfig, cost_decides: bool) -> HotUnits | None:
+           config: TwELLConfig, cost_decides: bool, differentiated: bool = True
+           ) -> HotUnits | None:
     """The hot units of a batch of ``m`` rows from ``active_sample`` [R, F'] bool, the active
     units of a sample of its rows (F' >= ``d_ff``; padded columns never active). None when
     ``slots`` is 0.
@@ -63,7 +64,8 @@ def select(active_sample: jax.Array, m: int, d_model: int, d_ff: int, itemsize: 
     two rows, so that one stray hit in a small sample is not taken for a rate); the first
     ``slots`` such units (by index) take the slots. With ``cost_decides`` the batch uses
     them only where the cost model says the entries they take off the lists cost more than
-    the hot GEMMs (``CostModel.hot_units_pay``); otherwise (interpret mode) whenever one is
+    the hot GEMMs (``CostModel.hot_units_pay``; ``differentiated``: the backward will run
+    too, where an entry costs more); otherwise (interpret mode) whenever one is
     hot, so the tests exercise the path. (A threshold and ``nonzero`` rather than a top-k:
     no sort on the device.)"""
     k = slots(m, d_ff, config)
@@ -81,7 +83,8 @@ def select(active_sample: jax.Array, m: int, d_model: int, d_ff: int, itemsize: 
         used = jnp.any(on)
         if cost_decides:
             moved = jnp.sum(jnp.where(on, counts[index], 0).astype(_F32)) * (m / rows)
-            used = used & config.cost_model.hot_units_pay(m, d_model, k, moved, itemsize)
+            used = used & config.cost_model.hot_units_pay(m, d_model, k, moved, itemsize,
+                                                          differentiated)
         on = on & used
         mask = jnp.zeros((width,), jnp.bool_).at[index].max(on)
         return HotUnits(index.astype(jnp.int32), on, mask, used)

@@ -1,11 +1,11 @@
 """What a backend supplies: the packed products the shared TwELL algorithm in ``ffn.py`` needs.
 
-A sparse backend (``sparse=True``) fills the four building blocks. Every weight is [F, D], one
+A sparse backend (``sparse=True``) fills the building blocks below. Every weight is [F, D], one
 row per unit (``twell_jax.layout``).
 
-- ``pack(x [M, D], w [F, D], bias [F] or None, config)`` -> ``(lists: RowLists, counts [M,
-  n_tiles] int32, pre, skipped, hot)``: the positive entries of ``relu(x @ w.T + bias)`` listed per
-  row in column order (``lists.values`` [M, K] x.dtype, ``lists.columns`` [M, K] int32,
+- ``pack(x [M, D], w [F, D], bias [F] or None, config, differentiated=True)`` -> ``(lists:
+  RowLists, counts [M, n_tiles] int32, pre, skipped, hot)``: the positive entries of
+  ``relu(x @ w.T + bias)`` listed per row in column order (``lists.values`` [M, K] x.dtype, ``lists.columns`` [M, K] int32,
   ``lists.row_nnz`` [M] int32 the true row totals) and the true per-tile counts. Only light
   rows' lists (``format.heavy_rows`` false; K >= ``config.max_row_nnz(F)`` or every tile's S
   slots) must be valid, and only their first ``row_nnz`` entries; ``pre`` is the dense [M, F]
@@ -14,7 +14,8 @@ row per unit (``twell_jax.layout``).
   that, when true, says the batch is mostly heavy rows (``format.mostly_heavy``) and nothing
   was listed: lists and counts are then unspecified and the batch goes dense. ``hot``: the
   batch's hot units (``hot_units.select``, None when the call takes none), which the lists
-  and counts leave out.
+  and counts leave out; ``differentiated`` (the backward will run too) only changes whether
+  hot units pay.
 - ``up_down(x, w_up [F, D], w_down [F, D], gate: RowLists)`` -> ``(y [M, D] x.dtype,
   up_values [M, K] float32, l1 [M] float32)``: the gated up/down projection on the lists and
   each row's ``sum |h|`` over its first ``row_nnz`` entries (h = g * u); with x and w_up None

@@ -57,7 +57,8 @@ def _pad(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.pad(a, [(0, n - s) for s, n in zip(a.shape, shape)])
 
 
-def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
+def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig,
+          differentiated: bool = True):
     m = x.shape[0]
     f, d = w.shape
     f_pad = config.num_tiles(f) * config.tile_width
@@ -69,7 +70,8 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
                               None if bias is None else _pad(bias, (f_pad,)))
     # The batch's hot units, from the same sample of rows as the decisions below; the lists
     # and those decisions leave them out.
-    hot = hot_units.select(sampled_active(pre), m, d, f, itemsize, config, cost_decides)
+    hot = hot_units.select(sampled_active(pre), m, d, f, itemsize, config, cost_decides,
+                           differentiated)
     exclude = None if hot is None else hot.mask
     # A batch whose rows are mostly heavy goes dense whatever its lists say: row_pack then
     # returns at once instead of reading the 184 MB pre-activation (M = 16384, F = 5632) for
@@ -157,7 +159,7 @@ def _add_product(y, h, w, run):
 
 # The cost model may route to dense: the kernels' rates are what it measures.
 BACKEND = Backend(sparse=True, cost_model_routes=True,
-                  pack=jax.jit(_pack, static_argnames="config"),
+                  pack=jax.jit(_pack, static_argnames=("config", "differentiated")),
                   up_down=jax.jit(_row_up_down),
                   row_grads=jax.jit(_row_grads),
                   row_dx=jax.jit(_row_dx, static_argnames="dx_dtype"),

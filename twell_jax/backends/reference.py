@@ -64,7 +64,9 @@ def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax
     return sparse_outer_reference(values, columns, row_nnz, b, d_ff)
 
 
-def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig):
+def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfig,
+          differentiated: bool = True):
+    del differentiated  # no cost model: hot units whenever some unit passes the rate
     (m, d), f = x.shape, w.shape[0]
     pre = dot_rows(x, w, jnp.float32)
     if bias is not None:
