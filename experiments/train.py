@@ -93,6 +93,7 @@ from twell_jax.backends import IMPLEMENTATIONS
 from twell_jax.data import (Corpus, EVAL_STREAM, TRAIN_STREAM, load_corpus, make_tokenizer,
                             sample_batch)
 from twell_jax.checkpoints import (checkpoint_manager, restore_checkpoint, save_checkpoint)
+from twell_jax.config import TwELLConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,6 +109,8 @@ class TrainConfig:
     # mode without a GPU: correct but far slower.
     implementation: str = flag("reference", "FFN implementation", choices=IMPLEMENTATIONS)
     remat: bool = flag(False, "recompute each block in the backward pass (keeps FFN outputs)")
+    hot_units: int = flag(0, "TwELLConfig.hot_units: units firing on many tokens computed by a "
+                          "small dense GEMM (0: off; the per-layer count moved is logged)")
     l1_coeff: float = flag(0.01, "coefficient of the L1 penalty on the FFN hidden activations")
     steps: int = flag(1000, "optimizer steps")
     batch_size: int = flag(32, "sequences per batch")
@@ -207,8 +210,10 @@ def _optimizer(lr: float, warmup: int, steps: int, weight_decay: float, grad_cli
 def build(cfg: TrainConfig, vocab_size: int, mesh: jax.sharding.Mesh | None = None):
     """The model and its optimizer, their state placed on ``mesh`` (default: ``cfg.mesh`` over
     every visible device) as ``twell_jax.sharding.shard_state`` splits it."""
-    mcfg = dataclasses.replace(model_lib.CONFIGS[cfg.model], implementation=cfg.implementation,
-                               remat=cfg.remat)
+    preset = model_lib.CONFIGS[cfg.model]
+    twell = dataclasses.replace(preset.twell or TwELLConfig(), hot_units=cfg.hot_units)
+    mcfg = dataclasses.replace(preset, implementation=cfg.implementation, remat=cfg.remat,
+                               twell=twell)
     if vocab_size > mcfg.vocab_size:
         raise ValueError(f"the tokenizer/data have {vocab_size} tokens but the {cfg.model!r} "
                          f"preset's vocabulary is {mcfg.vocab_size}")

@@ -206,3 +206,31 @@ def test_pallas_adds_in_place_where_the_blocks_fit():
     for got, want in zip(jax.tree_util.tree_leaves(grads),
                          jax.tree_util.tree_leaves(vjp(dy))):
         assert_close(got, want, jnp.float32, kind="grad", what="grad")
+
+
+@pytest.mark.parametrize("implementation", ["reference", slow("pallas")])
+def test_model_reports_hot_units_and_keeps_its_gradients(implementation):
+    """The tiny model at init (about half its units active on every token; no row heavy): with
+    hot units on, its layers move units, say so in the loss metrics, and the loss and
+    gradients stay those of the model without them."""
+    from flax import nnx
+    from twell_jax import model as model_lib
+
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 33), 0, 256)  # 128 rows a layer
+    base = tj.TwELLConfig(tile_width=16, slots_per_tile=16, max_row_density=1.0,
+                          dense_fallback_density=1.0, hot_min_rows=64, hot_unit_rate=0.25)
+    results = {}
+    for k in (16, 0):
+        model = model_lib.build("tiny", implementation=implementation, seed=1,
+                                dtype=jnp.float32,  # compared in float32: bf16 rounds apart
+                                twell=dataclasses.replace(base, hot_units=k))
+        (loss, metrics), grads = nnx.jit(nnx.value_and_grad(model_lib.loss_fn, has_aux=True))(
+            model, tokens, 0.01)
+        results[k] = loss, metrics, jax.tree.leaves(nnx.state(grads, nnx.Param))
+    (loss_on, metrics_on, grads_on), (loss_off, metrics_off, grads_off) = results[16], results[0]
+    assert (np.asarray(metrics_on["hot_units"]) > 0).all()
+    assert not np.asarray(metrics_off["hot_units"]).any()
+    np.testing.assert_allclose(float(loss_on), float(loss_off), rtol=1e-5)
+    for got, want in zip(grads_on, grads_off):
+        assert_close(got, np.asarray(want, np.float64), jnp.float32, kind="grad",
+                     what="model grad", zero_reference_ok=True)

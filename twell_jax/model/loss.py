@@ -36,7 +36,7 @@ def loss_fn(model: Transformer, tokens: jax.Array, l1_coeff) -> tuple[jax.Array,
       (loss, metrics): metrics holds scalars ``loss``, ``ce``, ``l1`` (the penalty before the
       coefficient), ``backup_overflow`` / ``dense_fallback`` (layers where it happened), and
       per-layer [n_layers] arrays ``nnz_mean``, ``nnz_p99``, ``nnz_max``, ``heavy_rows``,
-      ``l1_layer``.
+      ``hot_units``, ``l1_layer``.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits, intermediates = nnx.capture(model, nnx.Intermediate)(inputs)
@@ -54,6 +54,7 @@ def loss_fn(model: Transformer, tokens: jax.Array, l1_coeff) -> tuple[jax.Array,
         "nnz_p99": stack("nnz_p99", jnp.int32),
         "nnz_max": stack("nnz_max", jnp.int32),
         "heavy_rows": stack("heavy_rows", jnp.int32),
+        "hot_units": stack("hot_units", jnp.int32),
         "backup_overflow": stack("backup_overflow", jnp.int32).sum(),
         "dense_fallback": stack("dense_fallback", jnp.int32).sum(),
     }
