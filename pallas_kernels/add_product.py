@@ -36,10 +36,11 @@ class AddProductConfig:
         check_config(self, ("block_m", "block_d", "num_warps"))
 
 
-def _kernel(run_ref, h_ref, w_ref, y_ref, out_ref):
+def _kernel(run_ref, h_ref, w_ref, y_ref, out_ref, *, precision):
     @pl.when(run_ref[0] != 0)
     def _():
-        product = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+        product = jnp.dot(h_ref[...], w_ref[...], precision=precision,
+                          preferred_element_type=jnp.float32)
         out_ref[...] = (y_ref[...].astype(jnp.float32) + product).astype(out_ref.dtype)
 
 
@@ -75,8 +76,10 @@ def add_product(y: jax.Array, h: jax.Array, w: jax.Array, run: jax.Array, *,
         raise ValueError(f"add_product: blocks of {config.block_m} rows and a power of two >= "
                          f"16 columns must divide y {y.shape}, and K={k} be a multiple of 16")
     block_m, block_d = min(config.block_m, m), _block_d(d, config)
+    # float32 operands multiply in float32 (the tensor cores' default would be TF32).
+    precision = jax.lax.Precision.HIGHEST if jnp.dtype(h.dtype) == jnp.float32 else None
     return pl.pallas_call(
-        _kernel,
+        functools.partial(_kernel, precision=precision),
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
         grid=(m // block_m, d // block_d),
         in_specs=[

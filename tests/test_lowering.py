@@ -78,11 +78,11 @@ def test_row_pack_with_excluded_columns_lowers():
     assert "twell_row_pack" in module
 
 
-@pytest.mark.parametrize("k", [64, 128])
-def test_add_product_lowers(k):
+@pytest.mark.parametrize("k, dtype", [(64, BF16), (128, BF16), (64, jnp.float32)])
+def test_add_product_lowers(k, dtype):
     module = export_for_cuda(
         lambda y, h, w, run: add_product(y, h, w, run, interpret=False),
-        S((M, D), BF16), S((M, k), BF16), S((k, D), BF16), S((), jnp.bool_))
+        S((M, D), dtype), S((M, k), dtype), S((k, D), dtype), S((), jnp.bool_))
     assert "twell_add_product" in module
 
 
