@@ -410,8 +410,9 @@ def _twell_forward(x, params, bias, gated, implementation, config, differentiate
     num_hot = jnp.zeros((), jnp.int32)
     if hot is not None:
         # The hot units' output on the light rows (the backup's rows and a dense batch have
-        # theirs). Its per-row counts complete the statistics, except for a batch that was not
-        # listed, whose counts came from ``pre`` whole: that batch skips the hot GEMMs.
+        # theirs). Its per-row counts complete the statistics, so a listed batch that went
+        # dense still runs the hot GEMMs (its rows add nothing); a batch that was not listed
+        # has its counts from ``pre`` whole and skips them.
         if skipped is not None:
             hot = hot._replace(used=hot.used & ~skipped)
         y, l1_hot, hot_nnz = hot_units.add_forward(y, x, weights, bias, gated, hot,
