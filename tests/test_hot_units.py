@@ -92,7 +92,9 @@ def test_cost_model_takes_hot_units_only_when_they_pay():
 
 
 @pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "plain"])
-@pytest.mark.parametrize("dense_rows", [(), (3, 50)], ids=["light", "with_backup"])
+# The fast tier keeps the backup beside the hot units; light rows alone are in the slow tier.
+@pytest.mark.parametrize("dense_rows", [pytest.param((), marks=pytest.mark.slow), (3, 50)],
+                         ids=["light", "with_backup"])
 @pytest.mark.parametrize("implementation, dtype", [
     ("reference", jnp.float32), ("pallas", jnp.bfloat16),
     slow("pallas", jnp.float32), slow("reference", jnp.bfloat16)])
@@ -116,7 +118,7 @@ def test_forward_and_stats_match_float64(implementation, dtype, dense_rows, gate
 
 
 @pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "plain"])
-@pytest.mark.parametrize("bias", [False, True], ids=["threshold_row", "bias"])
+@pytest.mark.parametrize("bias", [slow(False), True], ids=["threshold_row", "bias"])
 @pytest.mark.parametrize("implementation, dtype", [
     ("pallas", jnp.float32), slow("reference", jnp.float32), slow("pallas", jnp.bfloat16)])
 def test_gradients_match_dense_vjp(implementation, dtype, bias, gated):
@@ -179,6 +181,7 @@ def test_add_product_kernel_adds_or_leaves_y(dtype):
             np.testing.assert_array_equal(np.asarray(want), np.asarray(y))
 
 
+@pytest.mark.slow  # ~30 s in interpret mode; the kernel itself has a fast test above
 def test_pallas_adds_in_place_where_the_blocks_fit():
     """D = 128 and M = 128: the pallas backend adds the hot units' output and input gradient
     on the add_product kernel (not XLA's product), forward and backward exact."""
@@ -208,7 +211,8 @@ def test_pallas_adds_in_place_where_the_blocks_fit():
         assert_close(got, want, jnp.float32, kind="grad", what="grad")
 
 
-@pytest.mark.parametrize("implementation", ["reference", slow("pallas")])
+@pytest.mark.slow  # ~35 s: a tiny model's loss and gradients, twice
+@pytest.mark.parametrize("implementation", ["reference", "pallas"])
 def test_model_reports_hot_units_and_keeps_its_gradients(implementation):
     """The tiny model at init (about half its units active on every token; no row heavy): with
     hot units on, its layers move units, say so in the loss metrics, and the loss and
