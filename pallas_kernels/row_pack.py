@@ -31,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -170,15 +171,16 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
                          f"{n_tiles} tiles of F={f}")
     word_bits = min(32, tile_width)
     words_per_tile = tile_width // word_bits
-    if exclude is None:
-        exclude = jnp.zeros((f,), jnp.bool_)
+    if exclude is None:  # a constant: no launch to build it
+        exclude_words = np.zeros((n_tiles, words_per_tile), np.int32)
     elif exclude.shape != (f,):
         raise ValueError(f"exclude has shape {exclude.shape}, expected ({f},)")
-    bit = jnp.arange(word_bits, dtype=jnp.int32)
-    # Distinct powers of two: their sum is their bitwise or (bit 31 wraps to the sign).
-    exclude_words = jnp.sum(
-        jnp.where(exclude.reshape(n_tiles, words_per_tile, word_bits),
-                  jnp.left_shift(1, bit), 0), axis=2, dtype=jnp.int32)
+    else:
+        bit = jnp.arange(word_bits, dtype=jnp.int32)
+        # Distinct powers of two: their sum is their bitwise or (bit 31 wraps to the sign).
+        exclude_words = jnp.sum(
+            jnp.where(exclude.reshape(n_tiles, words_per_tile, word_bits),
+                      jnp.left_shift(1, bit), 0), axis=2, dtype=jnp.int32)
     kernel = functools.partial(
         _row_pack_kernel, tiles_per_chunk=config.tiles_per_chunk,
         num_chunks=n_tiles // config.tiles_per_chunk, word_bits=word_bits, num_slots=num_slots)

@@ -105,25 +105,31 @@ def select(active_sample: jax.Array, m: int, d_model: int, d_ff: int, itemsize: 
 class _HotActivations(NamedTuple):
     gate: jax.Array  # [M, K] float32 pre-activation (with the bias)
     up: jax.Array | None  # [M, K] float32 (gated), else None
-    active: jax.Array  # [M, K] bool: gate > 0 (or NaN) on a hot slot
-    hidden: jax.Array  # [M, K] float32, zero where not active or not on ``rows``
+    active: jax.Array  # [M, K] bool: gate > 0 (or NaN) on a hot slot, every row
+    kept: jax.Array  # [M, K] bool: ``active`` on ``rows`` (the entries the output has)
+    hidden: jax.Array  # [M, K] float32, zero where not ``kept``
 
 
-def _activations(x, weights, bias, gated: bool, hot: HotUnits, rows) -> _HotActivations:
-    """The hot units' activations on x [M, D]: one GEMM x @ [w_gate; w_up][hot].T, float32
-    output. ``rows`` [M] bool: the rows whose hidden values count (the light rows)."""
+def _input_rows(weights: tuple[jax.Array, ...], hot: HotUnits) -> jax.Array:
+    """[w_gate; w_up][hot] (gated) or w_up[hot]: [K or 2K, D], the hot GEMM's weight rows."""
+    return jnp.concatenate([w[hot.index] for w in weights[:-1]], axis=0)
+
+
+def _activations(x, w_in, bias, gated: bool, hot: HotUnits, rows) -> _HotActivations:
+    """The hot units' activations on x [M, D]: one GEMM x @ w_in.T (``_input_rows``),
+    float32 output. ``rows`` [M] bool: the rows whose hidden values count (the light rows)."""
     k = hot.index.shape[0]
-    w_in = jnp.concatenate([w[hot.index] for w in weights[:-1]], axis=0)  # [K or 2K, D]
     products = dot_rows(x, w_in, _F32)
     gate = products[:, :k]
     if bias is not None:
         gate = gate + bias[hot.index].astype(_F32)
     up = products[:, k:] if gated else None
     active = jnp.logical_not(gate <= 0) & hot.on[None, :]  # > 0 or NaN, as packed
-    hidden = jnp.where(active & rows[:, None], gate, 0.0)
+    kept = active & rows[:, None]
+    hidden = jnp.where(kept, gate, 0.0)
     if gated:
         hidden = hidden * up
-    return _HotActivations(gate, up, active, hidden)
+    return _HotActivations(gate, up, active, kept, hidden)
 
 
 def add_forward(y: jax.Array, x: jax.Array, weights: tuple[jax.Array, ...], bias, gated: bool,
@@ -137,7 +143,7 @@ def add_forward(y: jax.Array, x: jax.Array, weights: tuple[jax.Array, ...], bias
     m, k = x.shape[0], hot.index.shape[0]
 
     def run():
-        acts = _activations(x, weights, bias, gated, hot, rows)
+        acts = _activations(x, _input_rows(weights, hot), bias, gated, hot, rows)
         return (acts.hidden.astype(x.dtype), jnp.sum(jnp.abs(acts.hidden)),
                 jnp.sum(acts.active, axis=1, dtype=jnp.int32))
 
@@ -164,13 +170,12 @@ def add_backward(dx: jax.Array, x, weights, bias, gated: bool, hot: HotUnits, ro
     m, d = x.shape
     k = hot.index.shape[0]
     n_in = len(weights) - 1
-    w_in = jnp.concatenate([w[hot.index] for w in weights[:-1]], axis=0)  # [n_in K, D]
+    w_in = _input_rows(weights, hot)  # [n_in K, D]
 
     def run():
-        acts = _activations(x, weights, bias, gated, hot, rows)
-        hidden = acts.hidden
+        acts = _activations(x, w_in, bias, gated, hot, rows)
+        hidden, keep = acts.hidden, acts.kept
         d_hidden = dot_rows(dy, weights[-1][hot.index], _F32) + l1_ct * jnp.sign(hidden)
-        keep = acts.active & rows[:, None]
         if gated:
             d_gate = jnp.where(keep, d_hidden * acts.up, 0.0)
             d_up = jnp.where(keep, d_hidden * acts.gate, 0.0)
