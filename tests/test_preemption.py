@@ -162,13 +162,41 @@ def test_the_first_signal_to_arrive_wins_when_both_are_pending():
     as the C-level handler writes them, and the handlers run in Python's order."""
     from twell_jax.preemption import StopSignals
 
-    with StopSignals() as signals:
-        os.write(signals._pipe[1], bytes([signal.SIGTERM, signal.SIGINT]))
-        signals._record(signal.SIGINT, None)
-        signals._record(signal.SIGTERM, None)
-        assert signals.received[0] == signal.SIGTERM
-        assert signals.agreed() == signal.SIGTERM
-        os.kill(os.getpid(), signal.SIGINT)  # a real signal while installed: recorded
-        time.sleep(0.05)
-        assert signals.received[-1] == signal.SIGINT
-    assert signal.getsignal(signal.SIGINT) != signals._record  # the old handler is back
+    # SIGINT handled on entry, as in a foreground process (a background job of a shell script
+    # starts with it ignored, which StopSignals keeps: the next test).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopSignals() as signals:
+            os.write(signals._pipe[1], bytes([signal.SIGTERM, signal.SIGINT]))
+            signals._record(signal.SIGINT, None)
+            signals._record(signal.SIGTERM, None)
+            assert signals.received[0] == signal.SIGTERM
+            assert signals.agreed() == signal.SIGTERM
+            os.kill(os.getpid(), signal.SIGINT)  # a real signal while installed: recorded
+            time.sleep(0.05)
+            assert signals.received[-1] == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_signal_ignored_on_entry_stays_ignored():
+    """A process started with SIGINT ignored (a background job of a shell without job
+    control): StopSignals leaves it ignored, still records SIGTERM, and restores both."""
+    from twell_jax.preemption import StopSignals
+
+    before_term = signal.getsignal(signal.SIGTERM)
+    before_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals() as signals:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)  # ignored: not recorded, nothing raised
+            time.sleep(0.05)
+            assert signals.received == [] and signals.agreed() is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert signals.received == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is before_term
+    finally:
+        signal.signal(signal.SIGINT, before_int)

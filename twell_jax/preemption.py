@@ -35,7 +35,9 @@ def exit_status(signum: int) -> int:
 
 class StopSignals:
     """While entered (on the main thread), SIGTERM and SIGINT only append their number to
-    ``received``; the previous handlers come back on exit."""
+    ``received``; the previous handlers come back on exit. A signal ignored on entry stays
+    ignored: a shell without job control starts its background jobs with SIGINT ignored, so
+    that a Ctrl-C meant for the foreground does not stop them."""
 
     def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
         self.signals = signals
@@ -59,7 +61,8 @@ class StopSignals:
             self._previous_wakeup_fd = signal.set_wakeup_fd(self._pipe[1],
                                                             warn_on_full_buffer=False)
             for signum in self.signals:
-                self._previous[signum] = signal.signal(signum, self._record)
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._record)
         return self
 
     def __exit__(self, *exc) -> None:
