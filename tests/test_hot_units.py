@@ -93,8 +93,7 @@ def test_cost_model_takes_hot_units_only_when_they_pay():
 
 @pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "plain"])
 # The fast tier keeps the backup beside the hot units; light rows alone are in the slow tier.
-@pytest.mark.parametrize("dense_rows", [pytest.param((), marks=pytest.mark.slow), (3, 50)],
-                         ids=["light", "with_backup"])
+@pytest.mark.parametrize("dense_rows", [slow(()), (3, 50)], ids=["light", "with_backup"])
 @pytest.mark.parametrize("implementation, dtype", [
     ("reference", jnp.float32), ("pallas", jnp.bfloat16),
     slow("pallas", jnp.float32), slow("reference", jnp.bfloat16)])
