@@ -21,10 +21,10 @@ adds them itself (the model's decode step: ``add_rms_norm`` adds them into the r
 Within a chunk the active units are ranked (a prefix count) and taken ``group`` at a time: the
 group's rows of ``w_up_t`` and ``w_down`` are gathered as [group, D] tiles, so their reads are
 in flight together. (Walking the units one at a time paid a dependent pair of ~1 us row reads
-per unit, and a decode-sized call waits for its busiest program.) A chunk with more than
-``dense_units`` active units (heavy rows) is multiplied densely instead: its [scan_width, D]
-slabs of ``w_up_t`` and ``w_down`` in independent tile loads, not one dependent pair of row
-reads per unit (the branch is inside the kernel).
+per unit, and a decode-sized call waits for its busiest program.) Busy chunks (heavy rows, or
+a dense call) take the same walk: on the H100 it matched multiplying a chunk's whole
+[scan_width, D] weight slabs near the design point and was 2-6x faster at 20-50% active, as
+that reads every row of the slabs, one tile after another.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def _gate_chunk(pre_ref, bias_ref, row, col0, ok, width: int, n_parts: int, pre_
 
 
 def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: int,
-                         num_d_chunks: int, group: int, dense_units: int, tile_d: int,
-                         gated: bool, n_parts: int, has_bias: bool, pre_dtype):
+                         num_d_chunks: int, group: int, gated: bool, n_parts: int,
+                         has_bias: bool, pre_dtype):
     """One program: row ``program_id(0)``, columns [s * block_f, +block_f) for s =
     ``program_id(1)``.
 
@@ -100,7 +100,6 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     d_cols = [c * block_d + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
               for c in range(num_d_chunks)]
     lane = jax.lax.broadcasted_iota(jnp.int32, (scan_width,), 0)
-    d = block_d * num_d_chunks
     if gated:
         x_chunks = [x_ref[row, ch].astype(jnp.float32) for ch in d_chunks]
     # Groups of up to EARLY_DOWN_MAX_GROUP gather their w_down rows before the up product's
@@ -141,67 +140,17 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         gate = _gate_chunk(pre_ref, bias_ref, row, col0, cols < f, scan_width, n_parts,
                            pre_dtype)
         active = jnp.logical_not(gate <= 0.0) & (cols < f)  # > 0 or NaN
-        count = jnp.sum(active.astype(jnp.int32))
-
-        def units(carry):
-            *carry, seen = carry
-            p = active.astype(jnp.int32)
-            rank = jnp.cumsum(p) - p  # active units before each lane
-            groups = (count + group - 1) // group
-            return (*jax.lax.fori_loop(0, groups, unit_group,
-                                       (col0, gate, active, rank, *carry))[4:], seen)
-
-        def dense(carry):
-            accs, l1, seen = carry
-
-            # Dense chunks add into this program's output row as they go: the first one zeroes
-            # it (a row without dense chunks is stored once, at the end, not zeroed and read).
-            @pl.when(seen == 0)
-            def _():
-                for ch in d_chunks:
-                    y_ref[part, row, ch] = jnp.zeros((block_d,), jnp.float32)
-
-            rows = pl.ds(col0, scan_width)
-            row_ok = (cols < f)[:, None]
-            h = jnp.where(active, gate, 0.0)
-            if gated:
-                def up_step(k, up):
-                    ks = pl.ds(k * tile_d, tile_d)
-                    w = plgpu.load(w_up_ref.at[rows, ks], mask=row_ok, other=0)
-                    xk = x_ref[row, ks].astype(jnp.float32)
-                    return up + jnp.sum(w.astype(jnp.float32) * xk[None, :], axis=1)
-
-                h = h * jax.lax.fori_loop(0, d // tile_d, up_step,
-                                          jnp.zeros((scan_width,), jnp.float32))
-
-            def down_step(k, _):
-                ks = pl.ds(k * tile_d, tile_d)
-                w = plgpu.load(w_down_ref.at[rows, ks], mask=row_ok, other=0)
-                y_ref[part, row, ks] += jnp.sum(h[:, None] * w.astype(jnp.float32), axis=0)
-                return 0
-
-            jax.lax.fori_loop(0, d // tile_d, down_step, 0)
-            return accs, l1 + jnp.sum(jnp.abs(h)), jnp.maximum(seen, 1)  # (a traced value)
-
-        # A heavy chunk (many active units) is multiplied densely: independent tile loads
-        # instead of one dependent pair of row reads per unit.
-        return jax.lax.cond(count > dense_units, dense, units, carry)
+        p = active.astype(jnp.int32)
+        rank = jnp.cumsum(p) - p  # active units before each lane
+        groups = (jnp.sum(p) + group - 1) // group
+        return jax.lax.fori_loop(0, groups, unit_group, (col0, gate, active, rank, *carry))[4:]
 
     zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in d_chunks)
     # Only the chunks that hold columns < F (all of them but in the last slice).
     num_chunks = -(-min(block_f, f) // scan_width)
-    accs, l1, seen = jax.lax.fori_loop(0, num_chunks, chunk_step,
-                                       (zeros, jnp.float32(0.0), jnp.int32(0)))
-
-    @pl.when(seen == 0)
-    def _():
-        for acc, ch in zip(accs, d_chunks):
-            y_ref[part, row, ch] = acc
-
-    @pl.when(seen != 0)
-    def _():
-        for acc, ch in zip(accs, d_chunks):
-            y_ref[part, row, ch] += acc
+    accs, l1 = jax.lax.fori_loop(0, num_chunks, chunk_step, (zeros, jnp.float32(0.0)))
+    for acc, ch in zip(accs, d_chunks):
+        y_ref[part, row, ch] = acc
     l1_ref[row, part] = l1
 
 
@@ -216,8 +165,6 @@ class ScanUpDownConfig:
       num_warps: Triton warps per program.
       group: active units handled together (power of two): their weight rows are gathered
         as [group, block_d] tiles, one group after another.
-      dense_units: a scanned chunk with more active units than this is multiplied densely
-        (its whole [scan_width, D] slabs of w_up_t and w_down); None: scan_width // 8.
     """
 
     block_f: int = 128
@@ -225,23 +172,11 @@ class ScanUpDownConfig:
     block_d: int = 2048
     num_warps: int = 4
     group: int = 4
-    dense_units: int | None = None
 
     def __post_init__(self):
         check_config(self, ("block_f", "scan_width", "block_d", "num_warps", "group"))
         if self.scan_width > self.block_f:
             raise ValueError(f"scan_width={self.scan_width} must be <= block_f={self.block_f}")
-        if self.dense_units is not None and (not isinstance(self.dense_units, int)
-                                             or self.dense_units < 0):
-            raise ValueError(f"dense_units must be None or an int >= 0, got "
-                             f"{self.dense_units!r}")
-
-    def dense_threshold(self) -> int:
-        return self.scan_width // 8 if self.dense_units is None else self.dense_units
-
-    def tile_d(self) -> int:
-        """D width of the dense chunk's tiles: ~8K values per tile, at most block_d."""
-        return min(self.block_d, max(16, 8192 // self.scan_width))
 
 
 def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
@@ -354,7 +289,6 @@ def scan_up_down_partial_sums(
     kernel = functools.partial(_scan_up_down_kernel, f=f, block_f=config.block_f,
                                scan_width=config.scan_width, block_d=config.block_d,
                                num_d_chunks=d // config.block_d, group=config.group,
-                               dense_units=config.dense_threshold(), tile_d=config.tile_d(),
                                gated=gated, n_parts=pre.sums.shape[0] if parts else 0,
                                has_bias=has_bias, pre_dtype=jnp.dtype(pre.dtype))
     gate = (pre.sums, *((pre.bias,) if has_bias else ())) if parts else (pre,)

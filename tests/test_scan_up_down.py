@@ -3,6 +3,8 @@ jnp reference, in interpret mode on the CPU (compiled on a GPU)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ from pallas_kernels.scan_up_down import (EARLY_DOWN_MAX_GROUP, GatePartials, Sca
                                          default_scan_up_down_config, scan_up_down,
                                          scan_up_down_partial_sums, scan_up_down_reference)
 from tests.test_row_kernels import make_pre
-from tests.utils import assert_close, seed_of, slow
+from tests.utils import assert_close, load_experiment, seed_of, slow
 
 DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
 # The fast tier's dtype for the two costliest parametrizations below (bf16 through the scan
@@ -83,26 +85,25 @@ def test_scan_up_down_matches_numpy_and_reference(m, d, f, config, pattern, gate
     np.testing.assert_array_equal(np.asarray(parts_l1), np.asarray(l1))
 
 
-@pytest.mark.slow  # the fast tier mixes dense and unit chunks in the next test
+@pytest.mark.slow  # the fast tier has empty, sparse and full chunks in the next test
 @pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "nongated"])
-def test_dense_chunks_equal_unit_groups(gated):
-    """Every non-empty chunk dense (threshold 0) or none (threshold = chunk width), the units
-    taken 1, 4 or 16 at a time (a chunk holds up to 64: many groups, a last one part full;
-    the small groups read their w_down rows early, the large one late): the same result,
-    against numpy, on rows from empty to full."""
-    rng = np.random.default_rng(seed_of("scan_up_down_dense_chunks", gated))
+def test_unit_group_sizes_agree(gated):
+    """The units taken 1, 4 or 16 at a time (a chunk holds up to 64: many groups, a last one
+    part full; the small groups read their w_down rows early, the large one late): the same
+    result, against numpy, on rows from empty to full."""
+    rng = np.random.default_rng(seed_of("scan_up_down_group_sizes", gated))
     pre, x, w_up_t, w_down = make_inputs(6, 64, 300, "heavy", jnp.float32, rng)
     args = [jnp.asarray(a) for a in (pre, x, w_up_t, w_down)]
     if not gated:
         args[1] = args[2] = None
     want, want_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, gated)
-    cases = [(0, 4), (64, 1), (64, 4), (64, 16)]
-    assert min(g for _, g in cases) <= EARLY_DOWN_MAX_GROUP < max(g for _, g in cases)
-    for units, group in cases:
+    groups = [1, 4, 16]
+    assert min(groups) <= EARLY_DOWN_MAX_GROUP < max(groups)
+    for group in groups:
         config = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1,
-                                  dense_units=units, group=group)
+                                  group=group)
         y, l1 = scan_up_down(*args, config=config)
-        what = f"dense_units={units}, group={group}"
+        what = f"group={group}"
         assert_close(y, want, jnp.float32, what=f"y, {what}")
         assert_close(l1, want_l1, jnp.float32, what=f"l1, {what}")
 
@@ -150,10 +151,9 @@ def test_scan_reads_the_gemv_partial_sums(splits, bias, gated, dtype):
 
 
 @pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "nongated"])
-def test_dense_and_unit_chunks_mixed_in_one_program(gated):
-    """One program, two 64-column chunks: a few units then a dense chunk, a dense chunk then a
-    few units, only a few units, only dense, nothing. The first dense chunk zeroes the output
-    row and the units' sum is added after it; a row without one is stored once."""
+def test_sparse_and_full_chunks_in_one_program(gated):
+    """One program, two 64-column chunks: a few units then a full chunk, a full chunk then a
+    few units, only a few units, only full chunks, nothing (stored as zeros)."""
     rng = np.random.default_rng(seed_of("scan_up_down_mixed", gated))
     m, d, f = 5, 64, 128
     pre = -np.abs(rng.standard_normal((m, f)))
@@ -172,8 +172,7 @@ def test_dense_and_unit_chunks_mixed_in_one_program(gated):
     args = [jnp.asarray(a) for a in (pre, x, w_up_t, w_down)]
     if not gated:
         args[1] = args[2] = None
-    config = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1,
-                              dense_units=8, group=2)
+    config = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1, group=2)
     y, l1 = scan_up_down(*args, config=config)
     want, want_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, gated)
     assert_close(y, want, jnp.float32, what="y, mixed chunks")
@@ -217,8 +216,6 @@ def test_scan_up_down_rejects_bad_input():
         ScanUpDownConfig(block_f=128, scan_width=256)
     with pytest.raises(ValueError, match="power of two"):
         ScanUpDownConfig(block_f=96)
-    with pytest.raises(ValueError, match="dense_units"):
-        ScanUpDownConfig(dense_units=-1)
     with pytest.raises(ValueError, match="group must be a power of two"):
         ScanUpDownConfig(group=3)
     with pytest.raises(ValueError, match="GatePartials.sums has shape"):
@@ -228,3 +225,17 @@ def test_scan_up_down_rejects_bad_input():
                      x, w, w)
     with pytest.raises(ValueError, match="GatePartials.bias"):
         scan_up_down(GatePartials(jnp.zeros((2, 4, 256)), jnp.zeros(128), jnp.float32), x, w, w)
+
+
+@pytest.mark.slow  # ~15 s on 2 cores: six jitted calls in interpret mode
+def test_probe_script_times_every_variant(tmp_path):
+    """``tools/probe_decode_scan.py --smoke``: the default config, a variant and the dense FFN
+    timed in both ways, after a header that names the command."""
+    with load_experiment("probe_decode_scan") as probe:
+        rows = probe.main(["--smoke", "--out", str(tmp_path / "probe.jsonl")])
+    assert len(rows) == 1
+    for mode in ("loop", "unrolled"):
+        assert set(rows[0][mode]) == {"default", "group=2", "dense"}
+        assert all(v["median_us"] > 0 for v in rows[0][mode].values())
+    header = json.loads((tmp_path / "probe.jsonl").read_text().splitlines()[0])
+    assert {"date", "device", "jax", "commit", "command"} <= set(header)

@@ -1,0 +1,158 @@
+"""Probe: ``scan_up_down`` configurations against its default at decode sizes.
+
+    python tools/probe_decode_scan.py --rows 8,16 --nnz 28,282 --heavy \
+        --variant block_f=128,scan_width=128,num_warps=4,group=4 --out runs/scan.jsonl
+    python tools/probe_decode_scan.py --smoke    # CPU, interpret mode, one step
+
+Each variant overrides fields of ``default_scan_up_down_config(M, D, F)`` (a field may name
+another, ``dense_units=scan_width``) and replaces the default for the public op
+(``feed_forward`` on [F, D] weights, ``"pallas"``), which is timed two ways beside the
+dense FFN (``"xla"``): inside an on-device loop of 100 steps over 4 weight sets (as a decode
+loop runs its layers) and as 8 calls on distinct weight sets unrolled in one jit (as a user's
+program makes them). The variants are timed in turn, ``--reps`` times, and the medians are
+reported in microseconds per call; uniform rows with ``--nnz`` active units of F on average,
+or ``--heavy`` rows (60 on average, p99 580). One JSON line per case goes to ``--out``, after
+a header with the date, device, jax version, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels.scan_up_down as scan_module
+import twell_jax as tj
+from twell_jax import xla_flags
+from twell_jax.benchmarking.ffn_cases import Case, make_case_inputs
+
+LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS = 100, 4, 8
+SMOKE_STEPS, SMOKE_SETS = 1, 1
+DEFAULT_CONFIG = scan_module.default_scan_up_down_config
+
+
+def parse_variant(text: str):
+    """'a=1,b=scan_width' -> a function (m, d, f) -> the default config with those fields."""
+    fields = dict(item.split("=", 1) for item in text.split(",") if item)
+
+    def config(m, d, f):
+        base = DEFAULT_CONFIG(m, d, f)
+        values = {k: getattr(base, v) if hasattr(base, v) else int(v) for k, v in fields.items()}
+        return dataclasses.replace(base, **values)
+    return config
+
+
+def in_loop(fn, steps: int):
+    def run(x, sets):
+        def step(_, acc):
+            for w in sets:
+                xi = (x.astype(jnp.float32) + 0.0 * acc).astype(x.dtype)  # one call per step
+                acc = acc + fn(xi, w).astype(jnp.float32)
+            return acc
+        return jax.lax.fori_loop(0, steps, step, jnp.zeros(x.shape, jnp.float32))
+    return jax.jit(run)
+
+
+def unrolled(fn, steps: int):
+    del steps  # one call per weight set
+    return jax.jit(lambda x, sets: sum(fn(x, w).astype(jnp.float32) for w in sets))
+
+
+def timer(fn, calls: int, x, sets, repeat: int):
+    """A function returning microseconds per call of one timed batch (after two warm-ups)."""
+    jax.block_until_ready(fn(x, sets))
+    jax.block_until_ready(fn(x, sets))
+
+    def once() -> float:
+        start = time.perf_counter()
+        for _ in range(repeat):
+            out = fn(x, sets)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / (repeat * calls) * 1e6
+    return once
+
+
+def op(implementation: str):
+    return lambda x, w: tj.feed_forward(x, tj.FFNWeights(*w), implementation=implementation)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="8", help="comma list of M")
+    parser.add_argument("--nnz", default="28", help="comma list of mean active units per row")
+    parser.add_argument("--heavy", action="store_true", help="also heavy-tailed rows")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="field=value,... overrides of the default config (repeatable)")
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--d-ff", type=int, default=5632)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="runs/probe_decode_scan.jsonl")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU check of the script: interpret mode, one loop step, M 2")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rows, args.nnz, args.heavy, args.reps = "2", "28", False, 1
+        args.variant = args.variant or ["group=2"]
+    elif jax.default_backend() != "gpu":
+        parser.error("needs a GPU (interpret-mode timings mean nothing); --smoke checks the "
+                     "script on a CPU")
+    xla_flags.use_device_conditionals()
+    steps, layers, n_sets = ((SMOKE_STEPS, SMOKE_SETS, SMOKE_SETS) if args.smoke
+                             else (LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS))
+    variants = [("default", DEFAULT_CONFIG)] + [(v, parse_variant(v)) for v in args.variant]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    out = open(args.out, "w")
+    out.write(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                          "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                          "commit": commit, "command": " ".join(sys.argv)}) + "\n")
+    rows = []
+    cases = [("uniform", float(n), None) for n in args.nnz.split(",")]
+    if args.heavy:
+        cases.append(("heavy_tailed", 60.0, 580.0))
+    print(f"{'M':>3} {'rows':12} {'nnz':>6}  {'variant':40} {'loop us':>8} {'unrolled us':>11}")
+    for m in (int(r) for r in args.rows.split(",")):
+        for pattern, nnz, p99 in cases:
+            case = Case(f"m{m}_{pattern}_{nnz:g}", m, args.d_model, args.d_ff, pattern, nnz, p99)
+            x = make_case_inputs(case)[0]
+            sets = [tuple(tj.prepare_weights(*make_case_inputs(case, seed=s)[1:]))
+                    for s in range(max(layers, n_sets))]
+            row = {"m": m, "pattern": pattern, "nnz": nnz}
+            for mode, make, weights, calls, repeat in (
+                    ("loop", in_loop, sets[:layers], steps * layers, 3),
+                    ("unrolled", unrolled, sets[:n_sets], n_sets, 60)):
+                repeat = 1 if args.smoke else repeat
+                timers = {}
+                for name, config in variants:
+                    scan_module.default_scan_up_down_config = config
+                    timers[name] = timer(make(op("pallas"), steps), calls, x, weights, repeat)
+                scan_module.default_scan_up_down_config = DEFAULT_CONFIG
+                timers["dense"] = timer(make(op("xla"), steps), calls, x, weights, repeat)
+                times = {name: [] for name in timers}
+                for _ in range(args.reps):  # interleaved, so drift hits every variant alike
+                    for name, once in timers.items():
+                        times[name].append(once())
+                row[mode] = {name: {"median_us": float(np.median(t)), "all_us": t}
+                             for name, t in times.items()}
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            rows.append(row)
+            for name in [n for n, _ in variants] + ["dense"]:
+                print(f"{m:3d} {pattern:12} {nnz:6g}  {name[:40]:40} "
+                      f"{row['loop'][name]['median_us']:8.2f} "
+                      f"{row['unrolled'][name]['median_us']:11.2f}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
