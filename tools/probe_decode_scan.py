@@ -4,8 +4,8 @@
         --variant block_f=128,scan_width=128,num_warps=4,group=4 --out runs/scan.jsonl
     python tools/probe_decode_scan.py --smoke    # CPU, interpret mode, one step
 
-Each variant overrides fields of ``default_scan_up_down_config(M, D, F)`` (a field may name
-another, ``dense_units=scan_width``) and replaces the default for the public op
+Each variant overrides fields of ``default_scan_up_down_config(M, D, F)`` (a value may name
+another field of the default, ``scan_width=block_f``) and replaces the default for the public op
 (``feed_forward`` on [F, D] weights, ``"pallas"``), which is timed two ways beside the
 dense FFN (``"xla"``): inside an on-device loop of 100 steps over 4 weight sets (as a decode
 loop runs its layers) and as 8 calls on distinct weight sets unrolled in one jit (as a user's
@@ -42,7 +42,10 @@ DEFAULT_CONFIG = scan_module.default_scan_up_down_config
 
 def parse_variant(text: str):
     """'a=1,b=scan_width' -> a function (m, d, f) -> the default config with those fields."""
-    fields = dict(item.split("=", 1) for item in text.split(",") if item)
+    items = [item for item in text.split(",") if item]
+    if not items or any("=" not in item for item in items):
+        raise ValueError("expected field=value pairs separated by commas")
+    fields = dict(item.split("=", 1) for item in items)
 
     def config(m, d, f):
         base = DEFAULT_CONFIG(m, d, f)
@@ -99,20 +102,31 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU check of the script: interpret mode, one loop step, M 2")
     args = parser.parse_args(argv)
+    xla_flags.use_device_conditionals()  # before the first computation starts the backends
     if args.smoke:
         args.rows, args.nnz, args.heavy, args.reps = "2", "28", False, 1
         args.variant = args.variant or ["group=2"]
     elif jax.default_backend() != "gpu":
         parser.error("needs a GPU (interpret-mode timings mean nothing); --smoke checks the "
                      "script on a CPU")
-    xla_flags.use_device_conditionals()
     steps, layers, n_sets = ((SMOKE_STEPS, SMOKE_SETS, SMOKE_SETS) if args.smoke
                              else (LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS))
-    variants = [("default", DEFAULT_CONFIG)] + [(v, parse_variant(v)) for v in args.variant]
+    variants = [("default", DEFAULT_CONFIG)]
+    for text in args.variant:
+        try:
+            variants.append((text, parse_variant(text)))
+            variants[-1][1](1, args.d_model, args.d_ff)  # a bad field or value fails here
+        except (TypeError, ValueError) as e:
+            parser.error(f"--variant {text}: {e}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as out:
+        return _measure(args, variants, out, steps, layers, n_sets)
+
+
+def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[dict]:
+    """Times every case, one JSON line each to ``out`` after a header."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    out = open(args.out, "w")
     out.write(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                           "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                           "commit": commit, "command": " ".join(sys.argv)}) + "\n")
