@@ -56,8 +56,9 @@ from pallas_kernels.row_up_down import row_up_down
 from pallas_kernels.sparse_outer import sparse_outer
 from pallas_kernels.scan_up_down import scan_up_down
 from twell_jax.format import heavy_rows, mask_lists
-from twell_jax.benchmarking.ffn_cases import (CASES, Case, SUITES, flax_dense_mlp, make_case_inputs,
-                                              rel_error_float64, sparsity_stats, time_ms)
+from twell_jax.benchmarking.ffn_cases import (CASES, Case, SUITES, decode_loop, flax_dense_mlp,
+                                              make_case_inputs, rel_error_float64,
+                                              sparsity_stats, time_ms, unrolled_calls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,34 +112,7 @@ def _record(case: Case, label: str, results: list[dict], emit: Callable,
 
 
 DECODE_LAYERS, DECODE_STEPS = 4, 100
-
-
-def decode_loop(fn: Callable) -> Callable:
-    """Jitted: DECODE_STEPS steps, each calling ``fn(x, *weights)`` on DECODE_LAYERS weight
-    sets in turn (like a model's layers: ~4 x 69 MB, so no layer's weights stay in the 50 MB L2
-    between its calls). Each call's x is the original x plus 0 * the running sum of outputs
-    (not folded for floats), so no call is hoisted or dropped. At decode sizes timing calls
-    one by one from Python measures the host's dispatch (~40 us), not the GPU."""
-    def run(x, layers):
-        def step(_, acc):
-            for weights in layers:
-                xi = (x.astype(jnp.float32) + 0.0 * acc).astype(x.dtype)
-                acc = acc + fn(xi, *weights).astype(jnp.float32)
-            return acc
-        return jax.lax.fori_loop(0, DECODE_STEPS, step, jnp.zeros(x.shape, jnp.float32))
-    return jax.jit(run)
-
-
 UNROLLED_SETS = 8
-
-
-def unrolled_calls(fn: Callable) -> Callable:
-    """Jitted: one call of ``fn(x, *weights)`` on each of UNROLLED_SETS weight sets, unrolled
-    (a public op's calls as a user's program makes them: no loop out of which XLA could hoist a
-    per-call transpose, no weight left in the L2 from the call before)."""
-    def run(x, sets):
-        return sum(fn(x, *weights).astype(jnp.float32) for weights in sets)
-    return jax.jit(run)
 
 
 def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
@@ -158,7 +132,7 @@ def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
             if check:
                 row["rel_err"] = rel_error_float64(fn(x, *weight_sets[0]), x, w_gate, w_up,
                                                    w_down, rows)
-            t = time_ms(decode_loop(fn), x, weight_sets, runs=args.runs, min_batch_ms=1.0)
+            t = time_ms(decode_loop(fn, DECODE_STEPS), x, weight_sets, runs=args.runs, min_batch_ms=1.0)
             calls = DECODE_STEPS * DECODE_LAYERS
             t.pop("latency_ms")  # of the whole loop: not a call's
             row.update({k: (v / calls if k.endswith("_ms") else v) for k, v in t.items()})

@@ -27,13 +27,12 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels.scan_up_down as scan_module
 import twell_jax as tj
 from twell_jax import xla_flags
-from twell_jax.benchmarking.ffn_cases import Case, make_case_inputs
+from twell_jax.benchmarking.ffn_cases import Case, decode_loop, make_case_inputs, unrolled_calls
 
 LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS = 100, 4, 8
 SMOKE_STEPS, SMOKE_SETS = 1, 1
@@ -54,22 +53,6 @@ def parse_variant(text: str):
     return config
 
 
-def in_loop(fn, steps: int):
-    def run(x, sets):
-        def step(_, acc):
-            for w in sets:
-                xi = (x.astype(jnp.float32) + 0.0 * acc).astype(x.dtype)  # one call per step
-                acc = acc + fn(xi, w).astype(jnp.float32)
-            return acc
-        return jax.lax.fori_loop(0, steps, step, jnp.zeros(x.shape, jnp.float32))
-    return jax.jit(run)
-
-
-def unrolled(fn, steps: int):
-    del steps  # one call per weight set
-    return jax.jit(lambda x, sets: sum(fn(x, w).astype(jnp.float32) for w in sets))
-
-
 def timer(fn, calls: int, x, sets, repeat: int):
     """A function returning microseconds per call of one timed batch (after two warm-ups)."""
     jax.block_until_ready(fn(x, sets))
@@ -85,7 +68,7 @@ def timer(fn, calls: int, x, sets, repeat: int):
 
 
 def op(implementation: str):
-    return lambda x, w: tj.feed_forward(x, tj.FFNWeights(*w), implementation=implementation)
+    return lambda x, *w: tj.feed_forward(x, tj.FFNWeights(*w), implementation=implementation)
 
 
 def main(argv=None) -> list[dict]:
@@ -143,15 +126,15 @@ def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[
                     for s in range(max(layers, n_sets))]
             row = {"m": m, "pattern": pattern, "nnz": nnz}
             for mode, make, weights, calls, repeat in (
-                    ("loop", in_loop, sets[:layers], steps * layers, 3),
-                    ("unrolled", unrolled, sets[:n_sets], n_sets, 60)):
+                    ("loop", lambda fn: decode_loop(fn, steps), sets[:layers], steps * layers, 3),
+                    ("unrolled", unrolled_calls, sets[:n_sets], n_sets, 60)):
                 repeat = 1 if args.smoke else repeat
                 timers = {}
                 for name, config in variants:
                     scan_module.default_scan_up_down_config = config
-                    timers[name] = timer(make(op("pallas"), steps), calls, x, weights, repeat)
+                    timers[name] = timer(make(op("pallas")), calls, x, weights, repeat)
                 scan_module.default_scan_up_down_config = DEFAULT_CONFIG
-                timers["dense"] = timer(make(op("xla"), steps), calls, x, weights, repeat)
+                timers["dense"] = timer(make(op("xla")), calls, x, weights, repeat)
                 times = {name: [] for name in timers}
                 for _ in range(args.reps):  # interleaved, so drift hits every variant alike
                     for name, once in timers.items():
