@@ -45,6 +45,10 @@ from pallas_kernels.common import (add_in_order, check_config, check_up_inputs,
 
 # Unit groups of at most this many gather their w_down rows early (``_scan_up_down_kernel``).
 EARLY_DOWN_MAX_GROUP = 4
+# Calls of at most this many rows split F into slices of NARROW_SLICE columns: with so few
+# rows, a busy call's time is set by how many programs walk its units at once.
+NARROW_SLICE_MAX_ROWS = 4
+NARROW_SLICE = 128
 
 
 class GatePartials(NamedTuple):
@@ -180,10 +184,20 @@ class ScanUpDownConfig:
 
 
 def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
-    """F split into power-of-two slices of at least 256 columns, fewer when ~700 programs
-    (about 5 per SM of an H100) need no more; scans of up to 512 columns; units in groups of 4
-    (one row, or 512-column slices) or 8; 8 warps at D >= 2048 (4 for one row or 512-column
-    slices). D chunks as in ``row_up_down``: the widest power of two <= 2048.
+    """F split into power-of-two slices of at least 256 columns (128 for at most
+    ``NARROW_SLICE_MAX_ROWS`` rows), fewer when ~700 programs (about 5 per SM of an H100) need
+    no more; scans of up to 512 columns; units in groups of 4 (one row, or 512-column slices)
+    or 8; 8 warps at D >= 2048 (4 for one row or 512-column slices). D chunks as in
+    ``row_up_down``: the widest power of two <= 2048.
+
+    Slice width for 1-4 rows (H100, D = 2048, F = 5632, the public op in an on-device loop,
+    us per call, 256 -> 128 columns; dense ~31): one row 16.8 -> 16.4 at 0.5% active, 42.0 ->
+    30.8 at 20%, 76.1 -> 46.6 at 50%; two rows 18.2 -> 17.9, 49.1 -> 33.2, 86.8 -> 47.6; four
+    rows 18.4 -> 18.8 at 0.5%, 30.3 -> 25.4 at 5%, 50.4 -> 36.2 at 20%, 79.5 -> 49.9 at 50%.
+    A busy call is bound by how many programs walk its units at once, and a few rows make few
+    of them. Narrower slices (64 or 32 columns) were faster still when busy but 3-9% slower
+    at 0.5%; at 8 rows 128-column slices were 7% slower at 0.5% (more programs, each writing
+    a partial sum), so from 5 rows on the slices stay at least 256 wide.
 
     Warps for one row (H100, the 0.5b model's decode at batch 1: tokens/s of the whole
     step, two alternating passes each): 4 warps 1,949.7 / 1,939.4 against 1,914.5 / 1,838.2
@@ -194,13 +208,14 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     us against 31.2-31.4 with 8 (2 warps 30.2); heavy-tailed rows 46.5 against 50.6-50.7
     (256-column slices would take them to 40.7, but uniform rows to 34.5).
 
-    H100, D = 2048, F = 5632, bf16, whole decode FFN per call: M = 1
-    256-column slices, groups of 4: 16.6 us (groups of 8: 17.6; 128 columns, groups of 1, 2,
-    4, 8: 19.1, 18.4, 17.6, 18.5); M = 8 256 columns, groups of 8: 20.0 us (groups of 4 20.5;
-    128 columns 21.2), heavy-tailed rows 27.5 (4: 30.9); M = 64 512 columns, groups of 4:
-    33.8 us (2: 33.2, 8: 36.9; 256 columns 35.5), heavy-tailed 55.6 (8: 51.5)."""
-    slices = max(1, min(-(-704 // max(m, 1)), -(-f // 256)))
-    block_f = max(256, 1 << (-(-f // slices) - 1).bit_length())
+    Groups (H100, D = 2048, F = 5632, bf16, whole decode FFN per call, with the kernel's
+    former dense-chunk branch and the loop timer of that time): M = 1 256-column slices,
+    groups of 4: 16.6 us (groups of 8: 17.6); M = 8 256 columns, groups of 8: 20.0 us (groups
+    of 4 20.5), heavy-tailed rows 27.5 (4: 30.9); M = 64 512 columns, groups of 4: 33.8 us
+    (2: 33.2, 8: 36.9; 256 columns 35.5), heavy-tailed 55.6 (8: 51.5)."""
+    min_width = NARROW_SLICE if m <= NARROW_SLICE_MAX_ROWS else 256
+    slices = max(1, min(-(-704 // max(m, 1)), -(-f // min_width)))
+    block_f = max(min_width, 1 << (-(-f // slices) - 1).bit_length())
     return ScanUpDownConfig(block_f=block_f, scan_width=min(block_f, 512),
                             block_d=largest_pow2_divisor(d, 2048),
                             num_warps=max(1, min(4 if block_f >= 512 or m == 1 else 8,
