@@ -39,8 +39,10 @@ class CostModel:
         """The decode path's up/down (``scan_up_down``) over ``entries`` active (row, unit)
         pairs: two gathered weight rows of d elements each. Its programs walk few units each:
         ~5 ns a unit at D = 2048 (H100, 1-64 rows), ~1.6 TB/s, a third of the list kernels'
-        rate. Past ``decode_dense_density`` active units per row it multiplies whole weight
-        slabs row by row and costs several dense FFNs (0.2x dense at 20%, one row)."""
+        rate. Busier rows cost more per unit than this rate says (their programs walk many
+        units each, one group after another): past ``decode_dense_density`` active units per
+        row the walk costs about the dense FFN or more (H100, D = 2048: one row 1.47x of dense
+        at 5% active and 1.0x at 20%; 8 rows 0.97x at 5%)."""
         return entries * 2.0 * d * itemsize / self.decode_gather_bytes_per_s
 
     def hot_units_pay(self, m: int, d: int, k: int, moved_entries, itemsize: int,
