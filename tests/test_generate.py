@@ -228,6 +228,24 @@ def test_decode_loop_runs_dense_when_the_prefill_says_so():
         assert bool(model_lib.decode_runs_dense(cost_model, stats["nnz_mean"][0], 2))
 
 
+def test_decode_density_limit_depends_on_rows(monkeypatch):
+    """With the cost model deciding (as compiled on a GPU), a decode loop at ~8% active units
+    stays sparse for 1-4 rows, where the decode kernel's narrower slices still beat dense,
+    and runs dense from 5 rows; past 1/8 it runs dense at one row too, and the design point
+    stays sparse at 64 rows."""
+    from twell_jax import ffn
+    monkeypatch.setattr(ffn, "default_interpret", lambda: False)
+    d, f = 2048, 5632
+
+    def dense(share: float, rows: int) -> bool:
+        nnz = np.full((3,), share * f, np.float32)
+        return bool(ffn.decode_runs_dense("pallas", nnz, rows, d, f, jnp.bfloat16))
+
+    assert [dense(0.08, rows) for rows in (1, 2, 4, 5, 8)] == [False, False, False, True, True]
+    assert dense(0.15, 1) and dense(0.5, 1)
+    assert not dense(0.005, 1) and not dense(0.005, 64)
+
+
 def _pallas_calls(jaxpr, name: str):
     """The equations of the pallas_calls named ``name`` in a closed jaxpr, nested ones too."""
     found = []

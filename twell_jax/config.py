@@ -31,6 +31,8 @@ class CostModel:
     sparse_fixed_seconds: float = 3.0e-4
     decode_gather_bytes_per_s: float = 1.6e12
     decode_dense_density: float = 1 / 16
+    few_rows_decode_dense_density: float = 1 / 8
+    few_decode_rows: int = 4
     hot_entry_bytes_per_s: float = 1.28e13
     hot_entry_train_bytes_per_s: float = 3.0e12
     hot_fixed_seconds: float = 2.0e-5
@@ -40,10 +42,20 @@ class CostModel:
         pairs: two gathered weight rows of d elements each. Its programs walk few units each:
         ~5 ns a unit at D = 2048 (H100, 1-64 rows), ~1.6 TB/s, a third of the list kernels'
         rate. Busier rows cost more per unit than this rate says (their programs walk many
-        units each, one group after another): past ``decode_dense_density`` active units per
-        row the walk costs about the dense FFN or more (H100, D = 2048: one row 1.47x of dense
-        at 5% active and 1.0x at 20%; 8 rows 0.97x at 5%)."""
+        units each, one group after another): past ``decode_density_limit`` active units per
+        row the walk costs about the dense FFN or more."""
         return entries * 2.0 * d * itemsize / self.decode_gather_bytes_per_s
+
+    def decode_density_limit(self, rows: int) -> float:
+        """The share of active units per row past which a decode step of ``rows`` token rows
+        runs its FFN dense: ``few_rows_decode_dense_density`` up to ``few_decode_rows`` rows,
+        whose decode kernel splits F into twice as many slices (``scan_up_down``), else
+        ``decode_dense_density``. H100, D = 2048, the public op against dense: one row 1.47x at
+        5% active and 1.01x at 20%, four rows 1.21x and 0.85x, eight rows 0.97x at 5%; the
+        0.5b model decoding at ~8% active ran its sparse loop at 1.16x (one row) and 1.06x
+        (four rows) of the dense model."""
+        return (self.few_rows_decode_dense_density if rows <= self.few_decode_rows
+                else self.decode_dense_density)
 
     def hot_units_pay(self, m: int, d: int, k: int, moved_entries, itemsize: int,
                       differentiated: bool):

@@ -733,7 +733,7 @@ def decode_runs_dense(implementation: Implementation, nnz_mean: jax.Array, rows:
     decode loop cost 14-23 us a call on the H100, more than the whole FFN at the design
     point. A loop decides once, before it starts. With ``dense_fallback_density`` set, dense
     when a layer's mean density exceeds it; with the cost model, dense when a layer passes
-    ``CostModel.decode_dense_density`` or the layers' decode up/downs
+    ``CostModel.decode_density_limit(rows)`` or the layers' decode up/downs
     (``decode_up_down_seconds``) add up to more than their dense GEMMs."""
     backend = backends.get(implementation)
     config = DEFAULT_CONFIG if config is None else config
@@ -748,7 +748,7 @@ def decode_runs_dense(implementation: Implementation, nnz_mean: jax.Array, rows:
     itemsize = jnp.dtype(dtype).itemsize
     sparse = jnp.sum(cost.decode_up_down_seconds(d_model, rows * density * d_ff, itemsize))
     dense = density.shape[0] * cost.dense_up_down_seconds(rows, d_model, d_ff, itemsize)
-    return jnp.any(density > cost.decode_dense_density) | (sparse > dense)
+    return jnp.any(density > cost.decode_density_limit(rows)) | (sparse > dense)
 
 
 def path_for(implementation: Implementation, m: int, d_model: int, d_ff: int, dtype,
