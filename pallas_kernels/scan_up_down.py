@@ -195,8 +195,8 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     30.8 at 20%, 76.1 -> 46.6 at 50%; two rows 18.2 -> 17.9, 49.1 -> 33.2, 86.8 -> 47.6; four
     rows 18.4 -> 18.8 at 0.5%, 30.3 -> 25.4 at 5%, 50.4 -> 36.2 at 20%, 79.5 -> 49.9 at 50%.
     A busy call is bound by how many programs walk its units at once, and a few rows make few
-    of them. Narrower slices (64 or 32 columns) were faster still when busy but 3-9% slower
-    at 0.5%; at 8 rows 128-column slices were 7% slower at 0.5% (more programs, each writing
+    of them. Narrower slices (64 or 32 columns) were faster still when busy but 5-11% slower
+    at one row and 0.5%; at 8 rows 128-column slices were 7% slower at 0.5% (more programs, each writing
     a partial sum), so from 5 rows on the slices stay at least 256 wide.
 
     Warps for one row (H100, the 0.5b model's decode at batch 1: tokens/s of the whole
