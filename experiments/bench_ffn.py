@@ -132,7 +132,8 @@ def run_decode_case(case: Case, args: BenchArgs, config: tj.TwELLConfig,
             if check:
                 row["rel_err"] = rel_error_float64(fn(x, *weight_sets[0]), x, w_gate, w_up,
                                                    w_down, rows)
-            t = time_ms(decode_loop(fn, DECODE_STEPS), x, weight_sets, runs=args.runs, min_batch_ms=1.0)
+            t = time_ms(decode_loop(fn, DECODE_STEPS), x, weight_sets, runs=args.runs,
+                        min_batch_ms=1.0)
             calls = DECODE_STEPS * DECODE_LAYERS
             t.pop("latency_ms")  # of the whole loop: not a call's
             row.update({k: (v / calls if k.endswith("_ms") else v) for k, v in t.items()})

@@ -190,14 +190,11 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     or 8; 8 warps at D >= 2048 (4 for one row or 512-column slices). D chunks as in
     ``row_up_down``: the widest power of two <= 2048.
 
-    Slice width for 1-4 rows (H100, D = 2048, F = 5632, the public op in an on-device loop,
-    us per call, 256 -> 128 columns; dense ~31): one row 16.8 -> 16.4 at 0.5% active, 42.0 ->
-    30.8 at 20%, 76.1 -> 46.6 at 50%; two rows 18.2 -> 17.9, 49.1 -> 33.2, 86.8 -> 47.6; four
-    rows 18.4 -> 18.8 at 0.5%, 30.3 -> 25.4 at 5%, 50.4 -> 36.2 at 20%, 79.5 -> 49.9 at 50%.
-    A busy call is bound by how many programs walk its units at once, and a few rows make few
-    of them. Narrower slices (64 or 32 columns) were faster still when busy but 5-11% slower
-    at one row and 0.5%; at 8 rows 128-column slices were 7% slower at 0.5% (more programs, each writing
-    a partial sum), so from 5 rows on the slices stay at least 256 wide.
+    Slices for at most ``NARROW_SLICE_MAX_ROWS`` rows are narrower because a busy call of so
+    few rows is bound by how many programs walk its units at once (one row at 50% active: 1.6x
+    faster with 128 columns than with 256), while near the design point the two widths cost
+    the same; from 8 rows on, the narrower slices' extra partial sums cost the design point
+    (docs/performance.md, "Decode-sized calls").
 
     Warps for one row (H100, the 0.5b model's decode at batch 1: tokens/s of the whole
     step, two alternating passes each): 4 warps 1,949.7 / 1,939.4 against 1,914.5 / 1,838.2
@@ -208,11 +205,8 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     us against 31.2-31.4 with 8 (2 warps 30.2); heavy-tailed rows 46.5 against 50.6-50.7
     (256-column slices would take them to 40.7, but uniform rows to 34.5).
 
-    Groups (H100, D = 2048, F = 5632, bf16, whole decode FFN per call, with the kernel's
-    former dense-chunk branch and the loop timer of that time): M = 1 256-column slices,
-    groups of 4: 16.6 us (groups of 8: 17.6); M = 8 256 columns, groups of 8: 20.0 us (groups
-    of 4 20.5), heavy-tailed rows 27.5 (4: 30.9); M = 64 512 columns, groups of 4: 33.8 us
-    (2: 33.2, 8: 36.9; 256 columns 35.5), heavy-tailed 55.6 (8: 51.5)."""
+    Groups: 4 at one row and with 512-column slices, 8 otherwise, the fastest on the H100
+    (at M = 64 groups of 8 cost uniform rows 9% and gained heavy-tailed ones 7%)."""
     min_width = NARROW_SLICE if m <= NARROW_SLICE_MAX_ROWS else 256
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // min_width)))
     block_f = max(min_width, 1 << (-(-f // slices) - 1).bit_length())

@@ -54,6 +54,8 @@ def make_inputs(m, d, f, pattern, dtype, rng):
 @pytest.mark.parametrize("m,d,f,config", [
     (5, 64, 256, ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1)),
     slow(8, 128, 300, None),  # F not a multiple of the slice: the last slice is masked
+    # The default's narrow slices for few rows (on five rows, to mix every row pattern).
+    (5, 64, 300, default_scan_up_down_config(2, 64, 300)),
     slow(6, 64, 384, ScanUpDownConfig(block_f=512, scan_width=128, block_d=64, num_warps=2)),
 ])
 def test_scan_up_down_matches_numpy_and_reference(m, d, f, config, pattern, gated, dtype):

@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels.common import is_power_of_two
+from pallas_kernels.scan_up_down import NARROW_SLICE_MAX_ROWS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,7 +33,7 @@ class CostModel:
     decode_gather_bytes_per_s: float = 1.6e12
     decode_dense_density: float = 1 / 16
     few_rows_decode_dense_density: float = 1 / 8
-    few_decode_rows: int = 4
+    few_decode_rows: int = NARROW_SLICE_MAX_ROWS
     hot_entry_bytes_per_s: float = 1.28e13
     hot_entry_train_bytes_per_s: float = 3.0e12
     hot_fixed_seconds: float = 2.0e-5
@@ -49,11 +50,9 @@ class CostModel:
     def decode_density_limit(self, rows: int) -> float:
         """The share of active units per row past which a decode step of ``rows`` token rows
         runs its FFN dense: ``few_rows_decode_dense_density`` up to ``few_decode_rows`` rows,
-        whose decode kernel splits F into twice as many slices (``scan_up_down``), else
-        ``decode_dense_density``. H100, D = 2048, the public op against dense: one row 1.47x at
-        5% active and 1.01x at 20%, four rows 1.21x and 0.85x, eight rows 0.97x at 5%; the
-        0.5b model decoding at ~8% active ran its sparse loop at 1.16x (one row) and 1.06x
-        (four rows) of the dense model."""
+        whose decode kernel splits F into narrower slices and so stays ahead of dense to a
+        higher density (``scan_up_down``), else ``decode_dense_density`` (measured in
+        docs/performance.md, "Generation")."""
         return (self.few_rows_decode_dense_density if rows <= self.few_decode_rows
                 else self.decode_dense_density)
 
