@@ -170,15 +170,21 @@ class GemvConfig:
 def default_gemv_config(m: int, d: int, f: int) -> GemvConfig:
     """The fastest configs of ``tools/probe_gemv.py`` on the H100, D = 2048, bf16, per call:
 
-    * M < 16: the dot on x padded to 16 rows, 128-column blocks, 64-row steps, D split 8 ways:
+    * M < 8: the dot on x padded to 16 rows, 128-column blocks, 64-row steps, D split 8 ways:
       M = 1, F = 5632: 8.1 us of kernel (XLA's dot 15.8); F = 2048: ~2 us (XLA ~11.7, a column
       reduction). The broadcast product was slower at every M (30 us at M = 8).
+    * 8 <= M < 16: 64-column blocks, D split 4 ways: twice the programs with half the partial
+      sums of the M < 8 config, whose [8, M, F] float32 partials grow with M (the decode FFN
+      at M = 8 ~0.5 us faster, on both weight layouts). Only the FFN gate runs here at these
+      sizes: the attention projections use XLA's dot from ``FEW_ROWS`` rows.
     * M >= 16: 64-column blocks, 128-row steps, D split 2 ways: M = 64, F = 5632 ~11 us (XLA's
       12.3).
 
     Blocks shrink to the operands' sizes; the splits never exceed D's steps."""
     if m >= 16:
         block_f, block_k, k_splits = 64, 128, 2
+    elif m >= FEW_ROWS:
+        block_f, block_k, k_splits = 64, 64, 4
     else:
         block_f, block_k, k_splits = 128, 64, 8
     block_f = min(block_f, max(16, next_pow2(f)))

@@ -189,13 +189,14 @@ def test_gemv_partial_sums_finish_to_gemv(splits):
 
 def test_default_config():
     """Valid at every decode size: blocks no wider than needed, splits that each hold at
-    least one step of D; the H100's measured best at M = 1 and 64."""
+    least one step of D; the H100's measured best at M = 1, 8 and 64."""
     for m in range(1, 65):
         for d, f in [(2048, 5632), (320, 600), (96, 200), (5, 7)]:
             config = default_gemv_config(m, d, f)
             assert config.block_f <= max(16, 2 * f) and config.block_k <= max(16, 2 * d)
             assert 1 <= config.k_splits <= -(-d // config.block_k), (m, d, f, config)
     assert default_gemv_config(1, 2048, 5632) == GemvConfig(block_f=128, block_k=64, k_splits=8)
+    assert default_gemv_config(8, 2048, 5632) == GemvConfig(block_f=64, block_k=64, k_splits=4)
     assert default_gemv_config(64, 2048, 5632) == GemvConfig(block_f=64, block_k=128, k_splits=2)
 
 

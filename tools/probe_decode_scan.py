@@ -5,7 +5,9 @@
     python tools/probe_decode_scan.py --smoke    # CPU, interpret mode, one step
 
 Each variant overrides fields of ``default_scan_up_down_config(M, D, F)`` (a value may name
-another field of the default, ``scan_width=block_f``) and replaces the default for the public op
+another field of the default, ``scan_width=block_f``), or with a ``gemv.`` prefix fields of the
+gate GEMV's ``default_gemv_config(M, D, F)`` (``gemv.k_splits=2``), and replaces the defaults
+for the public op
 (``feed_forward`` on [F, D] weights, ``"pallas"``), which is timed two ways beside the
 dense FFN (``"xla"``): inside an on-device loop of 100 steps over 4 weight sets (as a decode
 loop runs its layers) and as 8 calls on distinct weight sets unrolled in one jit (as a user's
@@ -29,6 +31,7 @@ import time
 import jax
 import numpy as np
 
+import pallas_kernels.gemv as gemv_module
 import pallas_kernels.scan_up_down as scan_module
 import twell_jax as tj
 from twell_jax import xla_flags
@@ -37,20 +40,35 @@ from twell_jax.benchmarking.ffn_cases import Case, decode_loop, make_case_inputs
 LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS = 100, 4, 8
 SMOKE_STEPS, SMOKE_SETS = 1, 1
 DEFAULT_CONFIG = scan_module.default_scan_up_down_config
+DEFAULT_GEMV_CONFIG = gemv_module.default_gemv_config
+GEMV_PREFIX = "gemv."
+
+
+def _overridden(default, fields: dict[str, str]):
+    """A function (m, d, f) -> ``default(m, d, f)`` with ``fields`` replaced (a value naming
+    another field of the default takes that field's value)."""
+    def config(m, d, f):
+        base = default(m, d, f)
+        values = {k: getattr(base, v) if hasattr(base, v) else int(v) for k, v in fields.items()}
+        return dataclasses.replace(base, **values)
+    return config
 
 
 def parse_variant(text: str):
-    """'a=1,b=scan_width' -> a function (m, d, f) -> the default config with those fields."""
+    """'a=1,b=scan_width,gemv.k_splits=2' -> (scan config function, gemv config function),
+    each a function (m, d, f) -> its default config with those fields."""
     items = [item for item in text.split(",") if item]
     if not items or any("=" not in item for item in items):
         raise ValueError("expected field=value pairs separated by commas")
     fields = dict(item.split("=", 1) for item in items)
+    scan = {k: v for k, v in fields.items() if not k.startswith(GEMV_PREFIX)}
+    gemv = {k[len(GEMV_PREFIX):]: v for k, v in fields.items() if k.startswith(GEMV_PREFIX)}
+    return _overridden(DEFAULT_CONFIG, scan), _overridden(DEFAULT_GEMV_CONFIG, gemv)
 
-    def config(m, d, f):
-        base = DEFAULT_CONFIG(m, d, f)
-        values = {k: getattr(base, v) if hasattr(base, v) else int(v) for k, v in fields.items()}
-        return dataclasses.replace(base, **values)
-    return config
+
+def use_configs(configs) -> None:
+    """Makes the public op use ``configs`` (scan, gemv) as its defaults from the next trace."""
+    scan_module.default_scan_up_down_config, gemv_module.default_gemv_config = configs
 
 
 def timer(fn, calls: int, x, sets, repeat: int):
@@ -94,11 +112,12 @@ def main(argv=None) -> list[dict]:
                      "script on a CPU")
     steps, layers, n_sets = ((SMOKE_STEPS, SMOKE_SETS, SMOKE_SETS) if args.smoke
                              else (LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS))
-    variants = [("default", DEFAULT_CONFIG)]
+    variants = [("default", (DEFAULT_CONFIG, DEFAULT_GEMV_CONFIG))]
     for text in args.variant:
         try:
             variants.append((text, parse_variant(text)))
-            variants[-1][1](1, args.d_model, args.d_ff)  # a bad field or value fails here
+            for config in variants[-1][1]:  # a bad field or value fails here
+                config(1, args.d_model, args.d_ff)
         except (TypeError, ValueError) as e:
             parser.error(f"--variant {text}: {e}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -130,10 +149,10 @@ def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[
                     ("unrolled", unrolled_calls, sets[:n_sets], n_sets, 60)):
                 repeat = 1 if args.smoke else repeat
                 timers = {}
-                for name, config in variants:
-                    scan_module.default_scan_up_down_config = config
+                for name, configs in variants:
+                    use_configs(configs)
                     timers[name] = timer(make(op("pallas")), calls, x, weights, repeat)
-                scan_module.default_scan_up_down_config = DEFAULT_CONFIG
+                use_configs(variants[0][1])
                 timers["dense"] = timer(make(op("xla")), calls, x, weights, repeat)
                 times = {name: [] for name in timers}
                 for _ in range(args.reps):  # interleaved, so drift hits every variant alike

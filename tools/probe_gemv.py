@@ -117,6 +117,9 @@ def main() -> None:
     parser.add_argument("--f", type=int, default=5632,
                         help="output width F (2048: an attention projection)")
     parser.add_argument("--ms", default="1,8,64", help="comma list of row counts M")
+    parser.add_argument("--unit-rows", action="store_true",
+                        help="weights stored [F, D] (the FFN gate's layout) instead of [D, F] "
+                        "(the attention projections')")
     args = parser.parse_args()
     ms = tuple(int(v) for v in args.ms.split(","))
     if args.smoke:
@@ -126,17 +129,22 @@ def main() -> None:
     interpret = args.smoke or jax.default_backend() != "gpu"
     out_dir = os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
-    out_path = os.path.join(out_dir, f"gemv_probe_{d}x{f}.jsonl")
+    layout = "_unit_rows" if args.unit_rows else ""
+    out_path = os.path.join(out_dir, f"gemv_probe_{d}x{f}{layout}.jsonl")
     calls = LAYERS * steps
     weight_bytes = d * f * 2
     print(f"# probe_gemv: device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"D={d} F={f} bf16, {steps} steps x {LAYERS} weight sets per loop, median of "
+          f"D={d} F={f} bf16 {'[F, D]' if args.unit_rows else '[D, F]'}, {steps} steps x {LAYERS} weight sets per loop, median of "
           f"{runs} loops, interpret={interpret}", flush=True)
 
     key = jax.random.PRNGKey(0)
     keys = jax.random.split(key, 2 * LAYERS + 1)
-    weights = tuple((jax.random.normal(keys[i], (d, f), jnp.float32) / np.sqrt(d))
+    unit_rows = args.unit_rows
+    shape = (f, d) if unit_rows else (d, f)
+    weights = tuple((jax.random.normal(keys[i], shape, jnp.float32) / np.sqrt(d))
                     .astype(jnp.bfloat16) for i in range(LAYERS))
+    # XLA's variants take w as [D, F]; for [F, D] weights the transpose folds into the dot.
+    as_dxf = (lambda w: w.T) if unit_rows else (lambda w: w)
     biases = tuple(-THRESHOLD + 0.1 * jax.random.normal(keys[LAYERS + i], (f,), jnp.float32)
                    for i in range(LAYERS))
     rows: list[dict] = []
@@ -154,29 +162,30 @@ def main() -> None:
     for i_m, m in enumerate(ms):
         deadline = T_START + args.budget_s * (i_m + 1) / len(ms)
         x = jax.random.normal(keys[-1], (m, d), jnp.float32).astype(jnp.bfloat16)
-        dot = np.asarray(jnp.dot(x, weights[0], preferred_element_type=jnp.float32,
+        dot = np.asarray(jnp.dot(x, as_dxf(weights[0]), preferred_element_type=jnp.float32,
                                  precision=jax.lax.Precision.HIGHEST), np.float64)
         refs = {True: dot + np.asarray(biases[0], np.float64), False: dot}
         variants = [  # (name, fn(x, w, b), config, adds the bias)
-            ("xla gate_pre_activation", lambda x, w, b: gate_pre_activation(x, w, b), None,
-             True),
+            ("xla gate_pre_activation",  # takes [F, D]
+             lambda x, w, b: gate_pre_activation(x, as_dxf(w).T, b), None, True),
             ("xla jnp.dot f32 (no bias)",
-             lambda x, w, b: jnp.dot(x, w, preferred_element_type=jnp.float32), None, False),
+             lambda x, w, b: jnp.dot(x, as_dxf(w), preferred_element_type=jnp.float32), None,
+             False),
             # As a plain Flax layer computes it: bf16 product, bf16 bias add (two roundings).
             ("xla jnp.dot bf16 + bias (Flax)",
-             lambda x, w, b: jnp.dot(x, w) + b.astype(x.dtype), None, True),
+             lambda x, w, b: jnp.dot(x, as_dxf(w)) + b.astype(x.dtype), None, True),
             # gate_pre_activation's numerics with the product kept out of a fusion with the
             # bias add (XLA may then pick cuBLAS for the float32-output product).
             ("xla jnp.dot f32, barrier, + bias",
              lambda x, w, b: (jax.lax.optimization_barrier(
-                 jnp.dot(x, w, preferred_element_type=jnp.float32)) + b).astype(x.dtype),
-             None, True),
+                 jnp.dot(x, as_dxf(w), preferred_element_type=jnp.float32)) + b
+                 ).astype(x.dtype), None, True),
         ]
         default = default_gemv_config(m, d, f)
         sweep = [c for c in SWEEP.get(m, []) if c.block_f <= f]
         for i, config in enumerate([default] + sweep):
             name = ("gemv default " if i == 0 else "gemv ") + describe(config)
-            fn = (lambda c: lambda x, w, b: gemv(x, w, b, config=c,
+            fn = (lambda c: lambda x, w, b: gemv(x, w, b, config=c, unit_rows=unit_rows,
                                                       interpret=interpret))(config)
             variants.append((name, fn, config, True))
         variants.append(("loop overhead (identity)",
