@@ -196,17 +196,12 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     the same; from 8 rows on, the narrower slices' extra partial sums cost the design point
     (docs/performance.md, "Decode-sized calls").
 
-    Warps for one row (H100, the 0.5b model's decode at batch 1: tokens/s of the whole
-    step, two alternating passes each): 4 warps 1,949.7 / 1,939.4 against 1,914.5 / 1,838.2
-    with 8 (the dense model, unchanged between them, moved by +-1.5%); 512-column slices
-    (groups of 8 at 4 warps, groups of 4 at 8 warps) 1,917.3 / 1,839.2 and 1,908.8 / 1,865.7.
-
-    Warps for 512-column slices (M = 64, with the early loads): 4 warps 29.3-29.4
-    us against 31.2-31.4 with 8 (2 warps 30.2); heavy-tailed rows 46.5 against 50.6-50.7
-    (256-column slices would take them to 40.7, but uniform rows to 34.5).
-
-    Groups: 4 at one row and with 512-column slices, 8 otherwise, the fastest on the H100
-    (at M = 64 groups of 8 cost uniform rows 9% and gained heavy-tailed ones 7%)."""
+    Warps: 4 for one row and for 512-column slices, whose programs hold one [D] float32
+    accumulator and walk a few units each, so fewer threads wait on each cross-warp reduction;
+    8 otherwise. Groups: 4 at one row and with 512-column slices, 8 otherwise. Each was the
+    fastest measured on the H100 at the design point (docs/design.md, ``scan_up_down``; the
+    runs are in benchmarks/LOG.md); at 64 rows 256-column slices and groups of 8 favour
+    heavy-tailed rows but cost uniform ones more."""
     min_width = NARROW_SLICE if m <= NARROW_SLICE_MAX_ROWS else 256
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // min_width)))
     block_f = max(min_width, 1 << (-(-f // slices) - 1).bit_length())
