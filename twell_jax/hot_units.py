@@ -170,7 +170,9 @@ def add_backward(dx: jax.Array, x, weights, bias, gated: bool, hot: HotUnits, ro
     m, d = x.shape
     k = hot.index.shape[0]
     n_in = len(weights) - 1
-    w_in = _input_rows(weights, hot)  # [n_in K, D]
+    # [n_in K, D], gathered outside the branch: ``add_product`` takes an operand of this shape
+    # whether or not it runs, so a batch without hot units would otherwise write as many zeros.
+    w_in = _input_rows(weights, hot)
 
     def run():
         acts = _activations(x, w_in, bias, gated, hot, rows)
