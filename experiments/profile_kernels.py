@@ -247,16 +247,23 @@ def decode_program(model, prompts, steps: int, context: int):
 
 def ffn_programs(case_name: str, implementation: str, l1_coeff: float):
     """[(program, call, hlo)]: one FFN layer on ``bench_ffn`` case ``case_name``'s inputs,
-    forward (no statistics) and forward + backward (the four gradients, the L1 term)."""
+    forward (no statistics) and forward + backward (the four gradients, the L1 term), on the
+    public op with its weights stored [F, D] (``prepare_weights``, made once: no call
+    transposes a weight), as the layers and the map call it."""
     x, *weights = ffn_cases.make_case_inputs(ffn_cases.CASES[case_name])
+    weights = tuple(tj.prepare_weights(*weights))
     dy = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
     f32 = lambda a: a.astype(jnp.float32)
 
+    def ffn(x, *w, return_stats=False):
+        return tj.feed_forward(x, tj.FFNWeights(*w), implementation=implementation,
+                               return_stats=return_stats)
+
     def loss(x, *w):
-        y, stats = tj.gated_mlp(x, *w, implementation=implementation, return_stats=True)
+        y, stats = ffn(x, *w, return_stats=True)
         return jnp.sum(f32(y) * f32(dy)) + l1_coeff * stats.l1
 
-    forward = jax.jit(lambda x, *w: tj.gated_mlp(x, *w, implementation=implementation))
+    forward = jax.jit(ffn)
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     return [(name, lambda fn=fn: fn(x, *weights),
              lambda fn=fn: fn.lower(x, *weights).compile().as_text())
