@@ -31,25 +31,27 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import check_config, check_dense_tiles, resolve_interpret
 
 
-def _row_pack_kernel(skip_ref, exclude_ref, pre_ref, values_ref, columns_ref, counts_ref,
-                     total_ref, *, tiles_per_chunk: int, num_chunks: int, word_bits: int,
-                     num_slots: int):
+def _row_pack_kernel(*refs, tiles_per_chunk: int, num_chunks: int, word_bits: int,
+                     num_slots: int, has_exclude: bool):
     """One program: row ``program_id``, all its tiles in ``num_chunks`` steps; nothing at all
     when ``skip_ref[0]`` is set (the outputs are then unspecified).
 
-    Refs: skip [1] int32; exclude [n_tiles, words_per_tile] int32, the bit masks of the
-    columns never listed; pre [M, n_tiles, words_per_tile, word_bits] (the [M, F]
-    pre-activation, reshaped); outputs values [M, K], columns [M, K] int32, counts
+    Refs: skip [1] int32; with ``has_exclude``, exclude [n_tiles, words_per_tile] int32, the
+    bit masks of the columns never listed; pre [M, n_tiles, words_per_tile, word_bits] (the
+    [M, F] pre-activation, reshaped); outputs values [M, K], columns [M, K] int32, counts
     [M, n_tiles] int32, row_total [M] int32.
     """
-
+    if has_exclude:
+        skip_ref, exclude_ref, pre_ref, values_ref, columns_ref, counts_ref, total_ref = refs
+    else:
+        skip_ref, pre_ref, values_ref, columns_ref, counts_ref, total_ref = refs
+        exclude_ref = None
     row = pl.program_id(0)  # read outside the condition (the interpreter needs it so)
 
     @pl.when(skip_ref[0] == 0)
@@ -75,7 +77,8 @@ def _pack_row(row, exclude_ref, pre_ref, values_ref, columns_ref, counts_ref, to
         positive = jnp.logical_not(gate <= 0.0)  # > 0 or NaN
         # Distinct powers of two: their sum is their bitwise or (bit 31 wraps to the sign).
         masks = jnp.sum(jnp.where(positive, jnp.left_shift(1, bit), 0), axis=2)
-        masks = masks & ~exclude_ref[pl.ds(tile0, tiles_per_chunk), :]
+        if exclude_ref is not None:
+            masks = masks & ~exclude_ref[pl.ds(tile0, tiles_per_chunk), :]
         word_counts = jax.lax.population_count(masks)
         tile_counts = jnp.sum(word_counts, axis=1)
         counts_ref[row, pl.ds(tile0, tiles_per_chunk)] = tile_counts
@@ -171,19 +174,21 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
                          f"{n_tiles} tiles of F={f}")
     word_bits = min(32, tile_width)
     words_per_tile = tile_width // word_bits
-    if exclude is None:  # a constant: no launch to build it
-        exclude_words = np.zeros((n_tiles, words_per_tile), np.int32)
-    elif exclude.shape != (f,):
-        raise ValueError(f"exclude has shape {exclude.shape}, expected ({f},)")
-    else:
+    # No exclusion, no operand: XLA would build even a constant mask of zeros in a launch of
+    # its own (a broadcast) on every call.
+    exclusion = ()
+    if exclude is not None:
+        if exclude.shape != (f,):
+            raise ValueError(f"exclude has shape {exclude.shape}, expected ({f},)")
         bit = jnp.arange(word_bits, dtype=jnp.int32)
         # Distinct powers of two: their sum is their bitwise or (bit 31 wraps to the sign).
-        exclude_words = jnp.sum(
+        exclusion = (jnp.sum(
             jnp.where(exclude.reshape(n_tiles, words_per_tile, word_bits),
-                      jnp.left_shift(1, bit), 0), axis=2, dtype=jnp.int32)
+                      jnp.left_shift(1, bit), 0), axis=2, dtype=jnp.int32),)
     kernel = functools.partial(
         _row_pack_kernel, tiles_per_chunk=config.tiles_per_chunk,
-        num_chunks=n_tiles // config.tiles_per_chunk, word_bits=word_bits, num_slots=num_slots)
+        num_chunks=n_tiles // config.tiles_per_chunk, word_bits=word_bits, num_slots=num_slots,
+        has_exclude=exclude is not None)
     return pl.pallas_call(
         kernel,
         out_shape=(
@@ -198,7 +203,7 @@ def row_pack(pre: jax.Array, *, tile_width: int, num_slots: int,
         interpret=resolve_interpret(interpret),
         name="twell_row_pack",
     )(jnp.reshape(jnp.asarray(False if skip is None else skip, jnp.int32), (1,)),
-      exclude_words,
+      *exclusion,
       pre.reshape(m, n_tiles, words_per_tile, word_bits))  # free: a view
 
 
