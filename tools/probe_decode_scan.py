@@ -7,11 +7,10 @@
 Each variant overrides fields of ``default_scan_up_down_config(M, D, F)`` (a value may name
 another field of the default, ``scan_width=block_f``), or with a ``gemv.`` prefix fields of the
 gate GEMV's ``default_gemv_config(M, D, F)`` (``gemv.k_splits=2``), and replaces the defaults
-for the public op
-(``feed_forward`` on [F, D] weights, ``"pallas"``), which is timed two ways beside the
-dense FFN (``"xla"``): inside an on-device loop of 100 steps over 4 weight sets (as a decode
-loop runs its layers) and as 8 calls on distinct weight sets unrolled in one jit (as a user's
-program makes them). The variants are timed in turn, ``--reps`` times, and the medians are
+for the public op (``feed_forward`` on [F, D] weights, ``"pallas"``), which is timed two ways
+beside the dense FFN (``"xla"``): inside an on-device loop of 100 steps over 4 weight sets (as
+a decode loop runs its layers) and as 8 calls on distinct weight sets unrolled in one jit (as a
+user's program makes them). The variants are timed in turn, ``--reps`` times, and the medians are
 reported in microseconds per call; uniform rows with ``--nnz`` active units of F on average,
 or ``--heavy`` rows (60 on average, p99 580). One JSON line per case goes to ``--out``, after
 a header with the date, device, jax version, commit and command.

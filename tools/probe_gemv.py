@@ -24,11 +24,13 @@ of the outputs (not folded for floats: no call is hoisted or dropped). Per call 
 that fails to compile or run is recorded with its error; the sweep goes on. Sweep configs past
 their M's share of ``--budget-s`` are recorded as skipped.
 
-    python tools/probe_gemv.py           # H100, ~1-2 minutes
-    python tools/probe_gemv.py --smoke   # CPU, interpret mode, tiny shapes
+    python tools/probe_gemv.py               # H100, ~1-2 minutes
+    python tools/probe_gemv.py --unit-rows   # weights stored [F, D], as the FFN's gate reads
+    python tools/probe_gemv.py --smoke       # CPU, interpret mode, tiny shapes
 
-Rows go to ``$OUT/gemv_probe_{D}x{F}.jsonl`` (the current directory when $OUT is unset); a
-table is printed last.
+Without ``--unit-rows`` the weights are [D, F], the attention projections' layout. Rows go to
+``$OUT/gemv_probe_{D}x{F}.jsonl`` (``..._unit_rows.jsonl`` with ``--unit-rows``; the current
+directory when $OUT is unset); a table is printed last.
 """
 
 from __future__ import annotations
@@ -133,9 +135,10 @@ def main() -> None:
     out_path = os.path.join(out_dir, f"gemv_probe_{d}x{f}{layout}.jsonl")
     calls = LAYERS * steps
     weight_bytes = d * f * 2
+    stored = "[F, D]" if args.unit_rows else "[D, F]"
     print(f"# probe_gemv: device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"D={d} F={f} bf16 {'[F, D]' if args.unit_rows else '[D, F]'}, {steps} steps x {LAYERS} weight sets per loop, median of "
-          f"{runs} loops, interpret={interpret}", flush=True)
+          f"D={d} F={f} bf16 stored {stored}, {steps} steps x {LAYERS} weight sets per loop, "
+          f"median of {runs} loops, interpret={interpret}", flush=True)
 
     key = jax.random.PRNGKey(0)
     keys = jax.random.split(key, 2 * LAYERS + 1)
