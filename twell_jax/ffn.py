@@ -253,9 +253,9 @@ def _cheaper_dense(row_nnz_all: jax.Array, heavy: jax.Array, x: jax.Array, f: in
     if not _cost_model_decides(config):
         return jnp.asarray(False)
     m, d = x.shape
-    # Integer sums, converted after: sibling reductions of one [M] input, which XLA makes in
-    # one launch (a float sum of converted counts took a second one). Exact: a light row holds
-    # at most ``config.max_row_nnz(f)`` units, so M * that fits in int32.
+    # Integer sums, converted after: exact, where a float32 sum of counts loses units past
+    # 2^24 (a light row holds at most ``config.max_row_nnz(f)`` units, so M times that fits
+    # in int32).
     light_nnz = jnp.sum(jnp.where(heavy, 0, row_nnz_all), dtype=jnp.int32)
     num_heavy = jnp.sum(heavy, dtype=jnp.int32)
     return config.cost_model.sparse_costs_more(m, d, f, light_nnz.astype(_F32),
