@@ -196,12 +196,10 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     the same; from 8 rows on, the narrower slices' extra partial sums cost the design point
     (docs/performance.md, "Decode-sized calls").
 
-    Warps: 4 for one row and for 512-column slices, whose programs hold one [D] float32
-    accumulator and walk a few units each, so fewer threads wait on each cross-warp reduction;
-    8 otherwise. Groups: 4 at one row and with 512-column slices, 8 otherwise. Each was the
-    fastest measured on the H100 at the design point (docs/design.md, ``scan_up_down``; the
-    runs are in benchmarks/LOG.md); at 64 rows 256-column slices and groups of 8 favour
-    heavy-tailed rows but cost uniform ones more."""
+    The 4 warps for one row and 512-column slices: their programs walk a few units each, so
+    fewer threads wait on each cross-warp reduction. These warps, groups and widths were the
+    fastest measured on the H100 at the design point (benchmarks/LOG.md); at 64 rows
+    256-column slices and groups of 8 favour heavy-tailed rows but cost uniform ones more."""
     min_width = NARROW_SLICE if m <= NARROW_SLICE_MAX_ROWS else 256
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // min_width)))
     block_f = max(min_width, 1 << (-(-f // slices) - 1).bit_length())

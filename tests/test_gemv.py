@@ -46,6 +46,7 @@ CASES = [
     slow(3, 320, 600, None),
     slow(8, 200, 300, GemvConfig(block_f=128, block_k=16, k_splits=5)),
     slow(8, 160, 250, GemvConfig(block_f=64, block_k=32, num_stages=1)),
+    slow(9, 320, 600, None),  # the default for 8-15 rows: 64-column blocks, uneven D splits
     (17, 320, 600, GemvConfig(block_f=128, block_k=64, k_splits=1)),
     slow(64, 96, 200, GemvConfig(block_f=64, block_k=32, k_splits=2)),
 ]

@@ -164,7 +164,7 @@ def test_sparse_outer_lowers(n_values):
     GemvConfig(block_f=64, block_k=32, k_splits=3, num_warps=2),
     GemvConfig(block_f=128, block_k=64, k_splits=1, num_stages=4),
 ])
-@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("m", [1, 5, 8, 64])  # the default differs below 8, to 15, from 16
 @pytest.mark.parametrize("ragged", [True, False], ids=["ragged_bias", "exact_nobias"])
 def test_gemv_lowers(ragged, m, config):
     if ragged:  # D and F not multiples of the blocks: the masked loads and stores lower too
