@@ -180,7 +180,7 @@ def time_training(model, tokens, remat: bool, cfg: BenchConfig, sampler, record,
         return True  # nothing ran: the state is intact
     try:
         cli.progress(f"compiled in {compile_s:.0f} s; timing")
-        loss = float(step())
+        loss = float(step()[0])
         timing = time_call(step, cfg.runs, sampler)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():

@@ -13,7 +13,11 @@ On a CPU, with fake devices (tiny model; about a minute):
 Per preset, one subprocess calibrates the FFN gate biases to ``--target-nnz`` active units per
 token (``model_bench.calibrate``) on the largest global batch, so every run's batch (its first
 rows) has the calibrated sparsity. Then one subprocess per (implementation, mesh) times a
-training step (loss with the L1 term, backward, AdamW; remat by default) on:
+training step (loss with the L1 term, backward, AdamW with a learning rate of 0 so the
+calibrated sparsity holds; remat by default), stepped as ``experiments/train.py`` steps (one
+``jax.jit`` over the donated state) and timed back to back (``model_bench.time_back_to_back``:
+tokens/s and ``median_ms`` come from steps issued as a training loop issues them, one wait per
+few steps; ``synchronised_ms`` waits for every step), on:
 
   - ``1 device``: the first device alone (the baseline);
   - ``data=N``: every visible device, data parallel (parameters replicated);
@@ -38,7 +42,6 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from twell_jax.benchmarking import model_bench
@@ -124,33 +127,32 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
     model = model_bench.build_model(preset, impl, bcfg)
     for block, bias in zip(model.blocks, np.load(spec["bias_file"])):
         block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
-    optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, model_bench.timing_optimizer(), wrt=nnx.Param)
     for obj in (model, optimizer):
         sharding.shard_state(obj, mesh)
     b, t = model_bench.parse_shapes(cfg.batch, "")[0]
     tokens = model_bench.token_batch(model.cfg, bcfg, b * len(devices), t + 1)
     tokens = sharding.shard_batch(np.asarray(tokens), mesh)
-
-    @nnx.jit
-    def train_step(model, optimizer, tokens):
-        grad_fn = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)
-        (loss, metrics), grads = grad_fn(model, tokens, cfg.l1_coeff)
-        optimizer.update(model, grads)
-        return loss, metrics["nnz_mean"], metrics["dense_fallback"]
-
     with jax.set_mesh(mesh):
-        loss, nnz, fallback = jax.device_get(train_step(model, optimizer, tokens))
-        timing = model_bench.time_call(lambda: train_step(model, optimizer, tokens), cfg.runs)
-        compiled = model_bench.compiled_bytes(train_step.lower(model, optimizer, tokens))
+        # As train.py steps: one jax.jit over the donated state. Through nnx.jit every call
+        # would walk the objects' graphs in Python, host time the synchronised timer counts.
+        step, compiled, _, compile_s = model_bench.adamw_step(model, optimizer, tokens,
+                                                               cfg.l1_coeff)
+        loss, metrics = jax.device_get(step())
+        synchronised = model_bench.time_call(step, cfg.runs)
+        timing = model_bench.time_back_to_back(step, cfg.runs)
+    compiled_bytes = model_bench.compiled_bytes(compiled)
     stats = [d.memory_stats() for d in devices]
     peaks = [None if not s else int(s.get("peak_bytes_in_use", 0)) for s in stats]
     global_tokens = b * len(devices) * t
     emit({"kind": "time", "preset": preset, "implementation": impl, "mesh": spec["label"],
           "mesh_shape": dict(mesh.shape), "devices": len(devices), "per_device_batch": [b, t],
           **timing, "tokens_per_s": global_tokens / (timing["median_ms"] / 1e3),
-          "loss": float(loss), "nnz_mean": np.asarray(nnz).tolist(),
-          "dense_fallback_layers": int(fallback), "remat": cfg.remat,
-          "peak_bytes_per_device": peaks, "compiled_bytes_per_device": compiled})
+          "synchronised_ms": synchronised["median_ms"],
+          "loss": float(loss), "nnz_mean": np.asarray(metrics["nnz_mean"]).tolist(),
+          "dense_fallback_layers": int(metrics["dense_fallback"]), "remat": cfg.remat,
+          "compile_s": compile_s, "peak_bytes_per_device": peaks,
+          "compiled_bytes_per_device": compiled_bytes})
 
 
 def worker_calibrate(spec: dict, cfg: MultiConfig, emit: Callable) -> None:

@@ -1,4 +1,6 @@
-"""Renders ``bench_ffn.py`` JSON lines as Markdown tables (for benchmarks/LOG.md).
+"""Renders the experiments' JSON lines as Markdown (for benchmarks/LOG.md): ``bench_ffn.py``'s
+as tables of each case's timings; any other row (a model, a profile, a multi-GPU run) as one
+line of its scalar fields.
 
     python experiments/bench_report.py runs/bench_ffn.jsonl > runs/bench_ffn.md
 """
@@ -21,14 +23,15 @@ def render(lines: list[dict]) -> str:
             out.append(f"\n#### Run {row['date'][:19]}Z on {row['device']} (jax {row['jax']}, "
                        f"commit {row['commit']})\n")
             out.append(f"`{row['command']}`\n")
-            out.append(f"TwELL config: `{json.dumps(row['config'])}`\n")
+            if "config" in row:
+                out.append(f"Config: `{json.dumps(row['config'])}`\n")
         elif kind == "sparsity":
             out.append(f"\n**{row['case']}**: active units per token mean {row['nnz_mean']:.1f}, "
                        f"p99 {row['nnz_p99']:.0f}, max {row['nnz_max']}; (row, tile) pairs over "
                        f"S: {100 * row['tiles_over_S']:.2f}%; heavy rows: {row['heavy_rows']}\n")
             out.append("| what | median ms (p10-p90) | XLA dense / this | rel. error vs f64 |")
             out.append("|---|---|---|---|")
-        elif kind == "time":
+        elif kind == "time" and "case" in row and "label" in row:
             if "median_ms" not in row:
                 out.append(f"| {row['label']} | failed: {row.get('error', '')[:90]} | | |")
                 continue
@@ -40,7 +43,20 @@ def render(lines: list[dict]) -> str:
                 err += " (took the dense path)"
             out.append(f"| {row['label']} | {row['median_ms']:.3f} ({row['p10_ms']:.3f}-"
                        f"{row['p90_ms']:.3f}) | {ratio} | {err} |")
+        else:
+            out.append(scalar_line(row))
     return "\n".join(out) + "\n"
+
+
+def scalar_line(row: dict) -> str:
+    """A row of no known layout as one Markdown bullet: its scalar fields, floats to 4
+    significant digits (lists and objects are left to the raw file)."""
+    def text(value) -> str:
+        return format(value, ".4g") if isinstance(value, float) else str(value)
+
+    fields = [f"{k}={text(v)}" for k, v in row.items()
+              if k != "kind" and isinstance(v, (str, int, float, bool)) and v is not None]
+    return f"- {row.get('kind', 'row')}: " + ", ".join(fields)
 
 
 def main(argv=None) -> None:

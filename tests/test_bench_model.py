@@ -198,3 +198,29 @@ def test_energy_is_measured_over_its_window(bench):
     assert timing["energy_j"] == timing["energy_calls"]
     assert len(calls) == 2 + 3 + timing["energy_calls"]  # warm-up, timed, energy
     assert bench.time_call(fn, 2)["runs"] == 2 and "energy_j" not in bench.time_call(fn, 1)
+
+
+def test_back_to_back_waits_once_per_sample():
+    # A step whose result is ready only when waited for: each sample must issue `steps`
+    # calls and wait once, and report the time per call.
+    import time
+
+    from twell_jax.benchmarking import model_bench
+
+    issued, waits = [], []
+
+    class Result:
+        def block_until_ready(self):
+            waits.append(len(issued))
+            return self
+
+    def step():
+        issued.append(None)
+        time.sleep(0.004)
+        return Result()
+
+    timing = model_bench.time_back_to_back(step, runs=3, steps=4)
+    assert len(issued) == 2 + 3 * 4  # two warm-up calls, then 3 samples of 4
+    assert waits == [1, 2, 6, 10, 14]  # one wait per warm-up call and per sample
+    assert timing["runs"] == 3 and timing["steps_per_sample"] == 4
+    assert 4.0 <= timing["median_ms"] < 40.0  # per call, not per sample

@@ -56,6 +56,7 @@ def test_two_fake_devices(tmp_path):
         assert r["per_device_batch"] == [2, 32] and len(r["peak_bytes_per_device"]) == r["devices"]
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
         assert math.isfinite(r["loss"])
+        assert math.isfinite(r["synchronised_ms"]) and r["synchronised_ms"] > 0
     # FSDP halves the parameters and AdamW state each device holds.
     assert (times["data=1,fsdp=2"]["compiled_bytes_per_device"]
             < times["data=2"]["compiled_bytes_per_device"])
