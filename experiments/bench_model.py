@@ -26,7 +26,9 @@ recomputed; a setting that does not fit is reported as ``oom``), the FFN and att
 sublayers alone (for the time breakdown), peak device memory and energy per token (the
 driver's energy counter over at least ``ENERGY_WINDOW_S`` of repeated calls after the timed
 ones, with NVML's board power, SM clock and power-limit reasons sampled every few ms beside
-it). Median over ``--runs`` synchronised repetitions after two warm-up calls.
+it). Median over ``--runs`` synchronised repetitions after two warm-up calls; prefill and
+training also back to back (``back_to_back_ms``: ``model_bench.time_back_to_back``, calls
+issued as a serving or training loop issues them, one wait per few calls).
 One JSON line per measurement goes to ``--out``; a table of xla / pallas ratios is printed last,
 training compared per setting and fastest against fastest (the honest baseline: the dense
 model trained as fast as it fits).
@@ -56,8 +58,9 @@ from twell_jax.benchmarking.power import PowerSampler
 from twell_jax.benchmarking.model_bench import (BenchConfig, MEASURED, adamw_step, build_model,
                                                 compile_timed, compiled_bytes, device_bytes_limit,
                                                 jit_over_state, last_logits, layer_statistics,
-                                                parse_shapes, peak_bytes, time_call,
-                                                timing_optimizer, token_batch, worker_calibrate)
+                                                parse_shapes, peak_bytes, time_back_to_back,
+                                                time_call, timing_optimizer, token_batch,
+                                                worker_calibrate)
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, str | None]:
@@ -124,6 +127,8 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
     def record(mode, shape, tokens_per_call, timing, **extra):
         row = {"kind": "time", **base, "mode": mode, "shape": shape, **timing, **extra}
         row["tokens_per_s"] = tokens_per_call / (timing["median_ms"] / 1e3)
+        if "back_to_back_ms" in extra:
+            row["back_to_back_tokens_per_s"] = tokens_per_call / (extra["back_to_back_ms"] / 1e3)
         if timing.get("energy_j") is not None:
             row["mj_per_token"] = timing["energy_j"] * 1e3 / (tokens_per_call
                                                               * timing["energy_calls"])
@@ -135,8 +140,9 @@ def worker_measure(spec: dict, cfg: BenchConfig, emit: Callable) -> None:
         stats = layer_statistics(model, tokens)
         cli.progress(f"compiling prefill {b}x{t}")
         prefill, compile_s = compile_timed(prefill_jitted, state, tokens)
-        record("prefill", [b, t], b * t,
-               time_call(lambda: prefill(state, tokens), cfg.runs, sampler),
+        call = lambda: prefill(state, tokens)
+        record("prefill", [b, t], b * t, time_call(call, cfg.runs, sampler),
+               back_to_back_ms=time_back_to_back(call, cfg.runs)["median_ms"],
                compiled_bytes=compiled_bytes(prefill), compile_s=compile_s, **stats)
     for n in (int(v) for v in filter(None, cfg.decode.split(","))):
         tokens = token_batch(mcfg, cfg, n, 1)
@@ -182,13 +188,14 @@ def time_training(model, tokens, remat: bool, cfg: BenchConfig, sampler, record,
         cli.progress(f"compiled in {compile_s:.0f} s; timing")
         loss = float(step()[0])
         timing = time_call(step, cfg.runs, sampler)
+        back_to_back_ms = time_back_to_back(step, cfg.runs)["median_ms"]
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise
         emit({**oom, "reason": str(e).splitlines()[0][:300]})
         return False
     record("train", [b, t], b * t, timing, loss=loss, remat=remat, compiled_bytes=step_bytes,
-           compile_s=compile_s)
+           compile_s=compile_s, back_to_back_ms=back_to_back_ms)
     sync()
     emit({"kind": "memory", **base, "phase": "training", "remat": remat,
           "peak_bytes": peak_bytes()})
@@ -283,6 +290,8 @@ def ratio_table(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r["kind"] == "time":
             metrics = {f"{_label(r)} tokens/s": r["tokens_per_s"]}
+            if r.get("back_to_back_tokens_per_s") is not None:
+                metrics[f"{_label(r)} tokens/s back to back"] = r["back_to_back_tokens_per_s"]
             if r.get("mj_per_token") is not None:
                 metrics[f"{_label(r)} mJ/token"] = r["mj_per_token"]
                 # Whether the board held its power limit (then time follows energy).

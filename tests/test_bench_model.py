@@ -55,6 +55,11 @@ def test_smoke_xla_only(bench, tmp_path):
         ("xla", m) for m in ("prefill", "decode", "train")}
     assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in times)
     assert all(math.isfinite(r["loss"]) for r in times if r["mode"] == "train")
+    # Prefill and training are also timed back to back; decode-sized forwards are not.
+    for r in times:
+        assert (r.get("back_to_back_tokens_per_s", 0) > 0) == (r["mode"] != "decode")
+    assert [t for t in bench.ratio_table(rows)
+            if t["metric"] == "train 1x8 remat off tokens/s back to back"]
 
 
 @pytest.mark.slow  # both implementations, both remat settings; the fast tier: test_smoke_xla_only
