@@ -111,8 +111,17 @@ def _bench_config(cfg: MultiConfig, n_devices: int) -> model_bench.BenchConfig:
     b, t = model_bench.parse_shapes(cfg.batch, "--batch")[0]
     return model_bench.BenchConfig(presets="", target_nnz=cfg.target_nnz, pattern=cfg.pattern,
                                    prefill="", train_batch=f"{b * n_devices}x{t}", decode="",
-                                   runs=cfg.runs, remat=cfg.remat, l1_coeff=cfg.l1_coeff,
+                                   runs=cfg.runs, l1_coeff=cfg.l1_coeff,
                                    seed=cfg.seed)
+
+
+def build_model(preset: str, implementation: str, cfg: MultiConfig,
+                bcfg: model_bench.BenchConfig) -> model_lib.Transformer:
+    """The preset as ``bench_model.py`` builds it, with ``--remat``'s setting (``model_bench``
+    builds it with remat off, for bench_model to set per measurement)."""
+    model = model_bench.build_model(preset, implementation, bcfg)
+    model.cfg = dataclasses.replace(model.cfg, remat=cfg.remat)
+    return model
 
 
 # ------------------------------------------------------------------------------------------
@@ -124,7 +133,7 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
     devices = jax.devices()[:spec["devices"]]
     mesh = sharding.make_mesh(sharding.parse_mesh(spec["mesh"], len(devices)), devices)
     bcfg = _bench_config(cfg, spec["all_devices"])
-    model = model_bench.build_model(preset, impl, bcfg)
+    model = build_model(preset, impl, cfg, bcfg)
     for block, bias in zip(model.blocks, np.load(spec["bias_file"])):
         block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
     optimizer = nnx.Optimizer(model, model_bench.timing_optimizer(), wrt=nnx.Param)
@@ -150,7 +159,7 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
           **timing, "tokens_per_s": global_tokens / (timing["median_ms"] / 1e3),
           "synchronised_ms": synchronised["median_ms"],
           "loss": float(loss), "nnz_mean": np.asarray(metrics["nnz_mean"]).tolist(),
-          "dense_fallback_layers": int(metrics["dense_fallback"]), "remat": cfg.remat,
+          "dense_fallback_layers": int(metrics["dense_fallback"]), "remat": model.cfg.remat,
           "compile_s": compile_s, "peak_bytes_per_device": peaks,
           "compiled_bytes_per_device": compiled_bytes})
 
