@@ -5,7 +5,9 @@ gate biases calibrated to ``--mean-nnz`` active units per token as in ``bench_mo
 
 - prefill: the last position's logits of ``--prefill`` (B x T) tokens, as ``bench_model.py``;
 - train (``--train``): one training step (loss with the L1 term, backward, AdamW) as
-  ``bench_model.py`` times it, remat as ``--remat``;
+  ``bench_model.py`` times it, remat as ``--remat``; with ``--mesh`` (e.g. ``data=2``) on
+  every visible GPU, ``--train`` tokens per device, and each GPU's collective (NCCL) time and
+  the part of it no other kernel ran beside (all-reduces the program failed to hide);
 - decode: ``model.generation_steps`` (generate's jitted loop) for ``--decode-steps`` steps at
   batch ``--decode-batch`` after a prompt of ``--context`` minus those steps (bf16 parameters,
   no statistics, as ``bench_generate.py`` times it).
@@ -18,12 +20,15 @@ transpose), as are the model programs' with ``--hlo-dir``.
 
 It reports, per program and run: the wall time (synchronised), the time some kernel was running
 on the GPU (the union of the kernels' intervals: "busy"), the kernels' summed time and count, and
-a table of kernels by name and by kind (twell kernels, GEMMs, attention, XLA fusions, copies).
+a table of kernels by name and by kind (collectives, twell kernels, GEMMs, attention, XLA
+fusions, copies).
 Wall minus busy is time the GPU sat idle: launches, host work, synchronisation. The trace's
 kernel times are the GPU's own (CUPTI), so they need no on-device loop.
 
     python experiments/profile_kernels.py --presets 0.5b --out runs/profile.jsonl
     python experiments/profile_kernels.py --presets '' --ffn m16k_uniform28 --runs 5
+    python experiments/profile_kernels.py --presets 0.5b --prefill '' --decode-batch 0 \
+        --train 8x2048 --mesh data=2
 
 One JSON line per program (with every kernel) goes to ``--out``; a short table is printed last.
 On a CPU there are no GPU kernels: the rows carry wall times only (used by the tests).
@@ -54,6 +59,7 @@ from twell_jax.benchmarking.model_bench import (adamw_step, calibrate, jit_over_
 
 import twell_jax as tj
 from twell_jax import model as model_lib
+from twell_jax import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,10 @@ class ProfileConfig:
     train: str = flag("", "training step shape BxT ('' to skip)")
     l1_coeff: float = flag(1e-4, "L1 coefficient of the training loss")
     remat: bool = flag(False, "recompute each block in the training step's backward")
+    mesh: str = flag("", "profile the training step on a device mesh (twell_jax.sharding's "
+                         "parse_mesh text, e.g. data=2 or fsdp=2; --train is per device): each "
+                         "GPU's collective time, alone and beside other kernels; '' for one "
+                         "device")
     scan_layers: bool = flag(True, "run the blocks of large calls under one scan "
                              "(ModelConfig.scan_layers); --no-scan-layers: a Python loop")
     decode_batch: int = flag(1, "sequences in the decode loop (0 to skip decode)")
@@ -84,6 +94,7 @@ class ProfileConfig:
 # Reading a trace.
 
 KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("collective", ("nccl",)),
     ("twell", ("twell_",)),
     ("attention", ("cudnn", "flash", "fmha", "sdpa", "attention")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "dot")),
@@ -102,13 +113,15 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def gpu_events(trace_dir: str) -> tuple[list[tuple[str, float, float]], dict[str, int]]:
-    """(name, start_ns, duration_ns) of every kernel and copy on the GPU planes of the
-    ``.xplane.pb`` under ``trace_dir`` (none on a machine without a GPU), and the events per
-    line of those planes (what the trace held, to check the choice of lines)."""
+def gpu_events(trace_dir: str) -> tuple[dict[str, list[tuple[str, float, float]]],
+                                         dict[str, int]]:
+    """Per GPU plane of the ``.xplane.pb`` under ``trace_dir`` (none on a machine without a
+    GPU; "/device:GPU:0", ...), the (name, start_ns, duration_ns) of every kernel and copy;
+    and the events per line of those planes (what the trace held, to check the choice of
+    lines)."""
     from jax.profiler import ProfileData
 
-    events, lines = [], {}
+    events, lines = {}, {}
     for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         for plane in ProfileData.from_file(path).planes:
             if not plane.name.startswith("/device:GPU"):
@@ -119,7 +132,7 @@ def gpu_events(trace_dir: str) -> tuple[list[tuple[str, float, float]], dict[str
                 # Stream lines hold the kernels and copies; the "XLA Ops" / "XLA Modules"
                 # lines annotate the same time and would count it twice.
                 if not line.name.lower().startswith("xla"):
-                    events.extend(line_events)
+                    events.setdefault(plane.name, []).extend(line_events)
     return events, lines
 
 
@@ -134,13 +147,32 @@ def busy_ns(events: list[tuple[str, float, float]]) -> float:
     return total
 
 
+def collective_alone_ns(events: list[tuple[str, float, float]]) -> float:
+    """Time some collective kernel (``kind_of`` "collective": NCCL) runs on one GPU while no
+    other kernel does: collectives the program failed to overlap with work."""
+    is_collective = lambda e: kind_of(e[0]) == "collective"
+    collectives = [e for e in events if is_collective(e)]
+    return busy_ns(events) - busy_ns([e for e in events if not is_collective(e)]) if (
+        collectives) else 0.0
+
+
+def device_summary(events: list[tuple[str, float, float]], runs: int) -> dict:
+    """One GPU's busy time, its collectives' time (union) and the part of it no other kernel
+    ran beside, in ms per run."""
+    collectives = [e for e in events if kind_of(e[0]) == "collective"]
+    return {"busy_ms": busy_ns(events) / 1e6 / runs,
+            "collective_ms": busy_ns(collectives) / 1e6 / runs,
+            "collective_alone_ms": collective_alone_ns(events) / 1e6 / runs}
+
+
 def profile(fn: Callable[[], object], runs: int) -> dict:
     """Times ``runs`` synchronised calls of ``fn`` (after one warm-up call), then profiles
     as many more.
 
     Returns wall_ms (median, unprofiled: the profiler itself slows the host and turns off
-    XLA's command buffers), profiled_wall_ms, and per run: busy_ms, kernel_ms (summed),
-    launches, the kernels [{name, kind, ms, calls}] by total time and the kinds {kind: ms}."""
+    XLA's command buffers), profiled_wall_ms, and per run: busy_ms (the union over every GPU),
+    kernel_ms (summed), launches, the kernels [{name, kind, ms, calls}] by total time, the
+    kinds {kind: ms} and ``devices`` {GPU plane: ``device_summary``}."""
     def timed() -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
@@ -151,7 +183,8 @@ def profile(fn: Callable[[], object], runs: int) -> dict:
     trace_dir = tempfile.mkdtemp(prefix="twell_profile_")
     with jax.profiler.trace(trace_dir):
         profiled = [timed() for _ in range(runs)]
-    events, lines = gpu_events(trace_dir)
+    per_device, lines = gpu_events(trace_dir)
+    events = [e for device in per_device.values() for e in device]
     by_name: dict[str, list[float]] = {}
     for name, _, duration in events:
         by_name.setdefault(name, []).append(duration)
@@ -164,7 +197,9 @@ def profile(fn: Callable[[], object], runs: int) -> dict:
     return {"wall_ms": float(np.median(walls)), "profiled_wall_ms": float(np.median(profiled)),
             "busy_ms": busy_ns(events) / 1e6 / runs,
             "kernel_ms": sum(k["ms"] for k in kernels), "launches": len(events) / runs,
-            "kinds": kinds, "kernels": kernels, "trace_lines": lines}
+            "kinds": kinds, "kernels": kernels, "trace_lines": lines,
+            "devices": {name: device_summary(device, runs)
+                        for name, device in sorted(per_device.items())}}
 
 
 def fusion_sources(hlo: str) -> dict[str, str]:
@@ -221,11 +256,20 @@ def prefill_program(model, tokens):
     return (lambda: call(tokens), lambda: jitted.lower(state, tokens).compile().as_text())
 
 
-def train_program(model, tokens, l1_coeff: float):
+def train_program(model, tokens, l1_coeff: float, mesh: jax.sharding.Mesh | None = None):
     """(call, hlo): one AdamW training step on ``tokens`` [B, T + 1], as bench_model times it
-    (one jit over the split, donated model + optimizer state)."""
+    (one jit over the split, donated model + optimizer state); with a ``mesh``, the state and
+    the batch sharded over it (``twell_jax.sharding``), as ``experiments/train.py --mesh``
+    runs it."""
     optimizer = nnx.Optimizer(model, timing_optimizer(), wrt=nnx.Param)
-    step, compiled, _, _ = adamw_step(model, optimizer, tokens, l1_coeff)
+    if mesh is None:
+        step, compiled, _, _ = adamw_step(model, optimizer, tokens, l1_coeff)
+        return step, compiled.as_text
+    for obj in (model, optimizer):
+        sharding.shard_state(obj, mesh)
+    tokens = sharding.shard_batch(np.asarray(tokens), mesh)
+    with jax.set_mesh(mesh):
+        step, compiled, _, _ = adamw_step(model, optimizer, tokens, l1_coeff)
     return step, compiled.as_text
 
 
@@ -299,6 +343,7 @@ def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
                 row = _profile_row(case_name, program, impl, call, hlo, cfg, sources=True)
                 emit(row)
                 rows.append(row)
+    mesh = sharding.make_mesh(sharding.parse_mesh(cfg.mesh)) if cfg.mesh else None
     for preset in filter(None, cfg.presets.split(",")):
         mcfg = model_lib.CONFIGS[preset]
         target = cfg.mean_nnz * mcfg.d_ff / 5632
@@ -310,9 +355,10 @@ def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
                              lambda m, tok=tokens: prefill_program(m, tok)))
         if cfg.train:
             b, t = (int(v) for v in cfg.train.lower().split("x"))
+            b *= 1 if mesh is None else mesh.size  # --train is per device
             tokens = _tokens(mcfg.vocab_size, b, min(t, mcfg.max_seq_len) + 1, cfg.seed)
             programs.append(("train", jnp.float32, tokens[:, :-1],
-                             lambda m, tok=tokens: train_program(m, tok, cfg.l1_coeff)))
+                             lambda m, tok=tokens: train_program(m, tok, cfg.l1_coeff, mesh)))
         if cfg.decode_batch:
             steps = min(cfg.decode_steps, cfg.context - 1)
             prompts = _tokens(mcfg.vocab_size, cfg.decode_batch, cfg.context - steps, cfg.seed)
@@ -330,6 +376,8 @@ def run(cfg: ProfileConfig, emit: Callable[[dict], None]) -> list[dict]:
                 if program == "decode":
                     row.update(decode_batch=cfg.decode_batch, context=cfg.context,
                                decode_steps=min(cfg.decode_steps, cfg.context - 1))
+                if program == "train" and mesh is not None:
+                    row.update(mesh=dict(mesh.shape))
                 emit(row)
                 rows.append(row)
                 del model
@@ -346,6 +394,11 @@ def print_table(rows: list[dict], top: int) -> None:
               f"{r['launches'] / per:.0f} launches; by kind: "
               + ", ".join(f"{k} {v / per:.3f}" for k, v in
                           sorted(r["kinds"].items(), key=lambda kv: -kv[1])))
+        for device, d in r.get("devices", {}).items():
+            if d["collective_ms"]:
+                print(f"  {device}: busy {d['busy_ms'] / per:.3f} ms, collectives "
+                      f"{d['collective_ms'] / per:.3f} ms, of which alone "
+                      f"{d['collective_alone_ms'] / per:.3f} ms")
         for k in r["kernels"][:top]:
             src = f"  <- {k['src'][-70:]}" if k.get("src") else ""
             print(f"  {k['ms'] / per:9.4f} ms {k['calls'] / per:6.1f}x  {k['kind']:9s} "
@@ -355,6 +408,11 @@ def print_table(rows: list[dict], top: int) -> None:
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser = cli.flag_parser(ProfileConfig, __doc__)
     cfg = ProfileConfig(**vars(parser.parse_args(argv)))
+    if cfg.mesh:
+        try:
+            sharding.parse_mesh(cfg.mesh)
+        except ValueError as e:
+            parser.error(f"--mesh: {e}")
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
     with open(cfg.out, "a") as f:
         def emit(row):

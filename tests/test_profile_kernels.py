@@ -2,10 +2,15 @@
 GPU kernels here, so the kernel tables are empty), and the trace arithmetic on made-up events."""
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
-from tests.utils import load_experiment
+from tests.utils import load_experiment, subprocess_env
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +25,18 @@ def test_busy_time_is_the_union_of_intervals(prof):
     assert prof.busy_ns([]) == 0.0
 
 
+def test_collectives_alone_are_those_no_other_kernel_overlaps(prof):
+    events = [("gemm_a", 0.0, 10.0), ("ncclDevKernel_AllReduce_Sum_bf16", 5.0, 10.0),
+              ("ncclDevKernel_AllReduce_Sum_f32", 30.0, 5.0), ("loop_fusion", 31.0, 1.0)]
+    assert prof.collective_alone_ns(events) == 9.0  # [10, 15) and [30, 35) less [31, 32)
+    assert prof.collective_alone_ns(events[:1]) == 0.0
+    summary = prof.device_summary(events, runs=2)
+    assert summary == {"busy_ms": 20.0 / 2e6, "collective_ms": 15.0 / 2e6,
+                       "collective_alone_ms": 9.0 / 2e6}
+
+
 @pytest.mark.parametrize("name, kind", [
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "collective"),
     ("twell_row_up_down", "twell"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),
@@ -92,3 +108,25 @@ def test_fusion_sources_name_the_ops(prof):
     # the GEMM's fusion, named after the dot.
     assert any(op in s for s in sources.values()
                for op in ("tanh", "transpose", "convert", "dot_general"))
+
+
+@pytest.mark.slow  # a subprocess with two fake devices
+def test_training_step_on_a_mesh(tmp_path):
+    out = tmp_path / "profile.jsonl"
+    env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2",
+                         JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "experiments/profile_kernels.py", "--presets", "tiny",
+         "--implementations", "xla", "--prefill", "", "--decode-batch", "0", "--train", "1x8",
+         "--mesh", "data=2", "--runs", "1", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["program"] for r in rows[1:]] == ["train"]
+    assert rows[1]["mesh"] == {"data": 2, "fsdp": 1} and rows[1]["wall_ms"] > 0
+    assert rows[1]["devices"] == {}  # no GPU planes on the CPU
+
+
+def test_bad_mesh_exits(prof):
+    with pytest.raises(SystemExit):
+        prof.main(["--presets", "tiny", "--mesh", "data=3"])  # one CPU device here
