@@ -61,7 +61,7 @@ def scalar_line(row: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("jsonl", nargs="+", help="bench_ffn.py output files")
+    parser.add_argument("jsonl", nargs="+", help="JSON-lines files the experiments wrote")
     args = parser.parse_args(argv)
     lines = []
     for path in args.jsonl:

@@ -150,10 +150,7 @@ def busy_ns(events: list[tuple[str, float, float]]) -> float:
 def collective_alone_ns(events: list[tuple[str, float, float]]) -> float:
     """Time some collective kernel (``kind_of`` "collective": NCCL) runs on one GPU while no
     other kernel does: collectives the program failed to overlap with work."""
-    is_collective = lambda e: kind_of(e[0]) == "collective"
-    collectives = [e for e in events if is_collective(e)]
-    return busy_ns(events) - busy_ns([e for e in events if not is_collective(e)]) if (
-        collectives) else 0.0
+    return busy_ns(events) - busy_ns([e for e in events if kind_of(e[0]) != "collective"])
 
 
 def device_summary(events: list[tuple[str, float, float]], runs: int) -> dict:
