@@ -10,6 +10,8 @@ repository or at numbered experiment runs.
     repository, and every Markdown file they name in backticks exists in it.
 (d) No code, script, document or saved run configuration names a path outside the repository
     (the raw benchmark records keep the command lines they ran with).
+(e) Every raw result file the documents and the log name in full (``2026-...jsonl``) is in
+    benchmarks/.
 """
 
 from __future__ import annotations
@@ -98,3 +100,14 @@ def test_nothing_names_a_path_outside_the_repository():
                  for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
                  if _OUTSIDE_PATH.search(line)]
     assert not offenders, "paths outside the repository:\n" + "\n".join(offenders)
+
+
+_RAW_FILE = re.compile(r"`(\d{4}-\d\d-\d\d_[\w.-]+\.(?:jsonl|png|log))`")
+
+
+@pytest.mark.parametrize("path", [*DOCS, ROOT / "benchmarks" / "LOG.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_raw_results_exist(path):
+    missing = sorted({name for name in _RAW_FILE.findall(path.read_text())
+                      if not (ROOT / "benchmarks" / name).exists()})
+    assert not missing, f"{path.relative_to(ROOT)} names results not in benchmarks/: {missing}"
