@@ -406,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser = cli.flag_parser(ProfileConfig, __doc__)
     cfg = ProfileConfig(**vars(parser.parse_args(argv)))
     if cfg.mesh:
+        if not cfg.train:
+            parser.error("--mesh profiles the training step: give --train BxT (per device)")
         try:
             sharding.parse_mesh(cfg.mesh)
         except ValueError as e:

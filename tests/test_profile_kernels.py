@@ -127,6 +127,8 @@ def test_training_step_on_a_mesh(tmp_path):
     assert rows[1]["devices"] == {}  # no GPU planes on the CPU
 
 
-def test_bad_mesh_exits(prof):
+@pytest.mark.parametrize("flags", [["--train", "1x8", "--mesh", "data=3"],  # one CPU device
+                                   ["--mesh", "data=1"]])  # no training step to profile
+def test_bad_mesh_exits(prof, flags):
     with pytest.raises(SystemExit):
-        prof.main(["--presets", "tiny", "--mesh", "data=3"])  # one CPU device here
+        prof.main(["--presets", "tiny", *flags])
