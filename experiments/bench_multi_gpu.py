@@ -205,20 +205,25 @@ def drive(cfg: MultiConfig, argv: list[str]) -> list[dict]:
 
 def scaling_table(rows: list[dict]) -> list[dict]:
     """Per (preset, implementation, mesh): tokens/s, speedup over one device, efficiency
-    (speedup / devices) and the largest per-device peak (or XLA's estimate) in GiB."""
+    (speedup / devices), ``vs_dense`` (tokens/s over the dense model's on the same mesh) and
+    the largest per-device peak (or XLA's estimate) in GiB."""
     times = [r for r in rows if r["kind"] == "time"]
     single = {(r["preset"], r["implementation"]): r["tokens_per_s"]
               for r in times if r["devices"] == 1}
+    dense = {(r["preset"], r["mesh"]): r["tokens_per_s"]
+             for r in times if r["implementation"] == "xla"}
     table = []
     for r in times:
         base = single.get((r["preset"], r["implementation"]))
         speedup = r["tokens_per_s"] / base if base else None
+        dense_rate = dense.get((r["preset"], r["mesh"]))
         peaks = [p for p in r["peak_bytes_per_device"] if p is not None]
         memory = max(peaks) if peaks else r["compiled_bytes_per_device"]
         table.append({"preset": r["preset"], "implementation": r["implementation"],
                       "mesh": r["mesh"], "devices": r["devices"],
                       "tokens_per_s": r["tokens_per_s"], "speedup": speedup,
                       "efficiency": None if speedup is None else speedup / r["devices"],
+                      "vs_dense": r["tokens_per_s"] / dense_rate if dense_rate else None,
                       "memory_gib": None if memory is None else memory / 2**30,
                       "memory_source": "peak" if peaks else "compiled estimate"})
     return table
@@ -227,11 +232,12 @@ def scaling_table(rows: list[dict]) -> list[dict]:
 def print_table(table: list[dict]) -> None:
     fmt = lambda v, f: "-" if v is None else format(v, f)
     print(f"\n{'preset':<7} {'impl':<7} {'mesh':<16} {'tokens/s':>12} {'speedup':>8} "
-          f"{'effic.':>7} {'GiB/device':>11}")
+          f"{'effic.':>7} {'vs dense':>8} {'GiB/device':>11}")
     for r in table:
         print(f"{r['preset']:<7} {r['implementation']:<7} {r['mesh']:<16} "
               f"{r['tokens_per_s']:>12,.0f} {fmt(r['speedup'], '.3f'):>8} "
-              f"{fmt(r['efficiency'], '.3f'):>7} {fmt(r['memory_gib'], '.3f'):>11}"
+              f"{fmt(r['efficiency'], '.3f'):>7} {fmt(r['vs_dense'], '.3f'):>8} "
+              f"{fmt(r['memory_gib'], '.3f'):>11}"
               f"{'' if r['memory_source'] == 'peak' else ' (est.)'}")
 
 

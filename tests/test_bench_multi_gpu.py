@@ -69,3 +69,18 @@ def test_model_takes_the_remat_flag(bench, remat):
     cfg = bench.MultiConfig(remat=remat)
     model = bench.build_model("tiny", "xla", cfg, bench._bench_config(cfg, 1))
     assert model.cfg.remat is remat
+
+
+def test_scaling_table_compares_each_mesh_with_dense(bench):
+    row = lambda impl, mesh, devices, rate: {
+        "kind": "time", "preset": "0.5b", "implementation": impl, "mesh": mesh,
+        "devices": devices, "tokens_per_s": rate, "peak_bytes_per_device": [2**30] * devices,
+        "compiled_bytes_per_device": None}
+    rows = [row("xla", "1 device", 1, 100.0), row("xla", "data=2", 2, 180.0),
+            row("pallas", "1 device", 1, 120.0), row("pallas", "data=2", 2, 225.0)]
+    table = {(t["implementation"], t["mesh"]): t for t in bench.scaling_table(rows)}
+    assert table[("pallas", "data=2")]["speedup"] == 225.0 / 120.0
+    assert table[("pallas", "data=2")]["vs_dense"] == 225.0 / 180.0
+    assert table[("pallas", "1 device")]["vs_dense"] == 1.2
+    assert table[("xla", "data=2")]["vs_dense"] == 1.0
+    bench.print_table(bench.scaling_table(rows[2:]))  # no dense rows: printed as "-"
