@@ -150,7 +150,7 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
         loss, metrics = jax.device_get(step())
         synchronised = model_bench.time_call(step, cfg.runs)
         timing = model_bench.time_back_to_back(step, cfg.runs)
-    compiled_bytes = model_bench.compiled_bytes(compiled)
+    step_bytes = model_bench.compiled_bytes(compiled)
     stats = [d.memory_stats() for d in devices]
     peaks = [None if not s else int(s.get("peak_bytes_in_use", 0)) for s in stats]
     global_tokens = b * len(devices) * t
@@ -161,7 +161,7 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
           "loss": float(loss), "nnz_mean": np.asarray(metrics["nnz_mean"]).tolist(),
           "dense_fallback_layers": int(metrics["dense_fallback"]), "remat": model.cfg.remat,
           "compile_s": compile_s, "peak_bytes_per_device": peaks,
-          "compiled_bytes_per_device": compiled_bytes})
+          "compiled_bytes_per_device": step_bytes})
 
 
 def worker_calibrate(spec: dict, cfg: MultiConfig, emit: Callable) -> None:

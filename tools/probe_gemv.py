@@ -146,8 +146,10 @@ def main() -> None:
     shape = (f, d) if unit_rows else (d, f)
     weights = tuple((jax.random.normal(keys[i], shape, jnp.float32) / np.sqrt(d))
                     .astype(jnp.bfloat16) for i in range(LAYERS))
-    # XLA's variants take w as [D, F]; for [F, D] weights the transpose folds into the dot.
+    # XLA's variants take w as [D, F] (gate_pre_activation as [F, D]); the transposes fold
+    # into the dot.
     as_dxf = (lambda w: w.T) if unit_rows else (lambda w: w)
+    as_fxd = (lambda w: w) if unit_rows else (lambda w: w.T)
     biases = tuple(-THRESHOLD + 0.1 * jax.random.normal(keys[LAYERS + i], (f,), jnp.float32)
                    for i in range(LAYERS))
     rows: list[dict] = []
@@ -170,7 +172,7 @@ def main() -> None:
         refs = {True: dot + np.asarray(biases[0], np.float64), False: dot}
         variants = [  # (name, fn(x, w, b), config, adds the bias)
             ("xla gate_pre_activation",  # takes [F, D]
-             lambda x, w, b: gate_pre_activation(x, as_dxf(w).T, b), None, True),
+             lambda x, w, b: gate_pre_activation(x, as_fxd(w), b), None, True),
             ("xla jnp.dot f32 (no bias)",
              lambda x, w, b: jnp.dot(x, as_dxf(w), preferred_element_type=jnp.float32), None,
              False),
