@@ -15,7 +15,8 @@ token (``model_bench.calibrate``) on the largest global batch, so every run's ba
 rows) has the calibrated sparsity. Then one subprocess per (implementation, mesh) times a
 training step (loss with the L1 term, backward, AdamW with a learning rate of 0 so the
 calibrated sparsity holds; remat by default), stepped as ``experiments/train.py`` steps (one
-``jax.jit`` over the donated state) and timed back to back (``model_bench.time_back_to_back``:
+``jax.jit`` over the donated state; on a GPU mesh of several devices compiled again from the
+costs of a few profiled steps, as ``train.py``'s ``--pgle-steps`` does) and timed back to back (``model_bench.time_back_to_back``:
 tokens/s and ``median_ms`` come from steps issued as a training loop issues them, one wait per
 few steps; ``synchronised_ms`` waits for every step), on:
 
@@ -49,7 +50,7 @@ from twell_jax import cli
 from twell_jax.cli import flag
 
 from twell_jax import model as model_lib
-from twell_jax import backends, sharding
+from twell_jax import backends, sharding, xla_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,10 @@ class MultiConfig:
     pattern: str = flag("uniform", "per-unit firing rates: uniform or heavy (Zipf-like)")
     runs: int = flag(10, "timed repetitions per measurement (median reported)")
     remat: bool = flag(True, "recompute blocks in the backward (ModelConfig.remat)")
+    pgle_steps: int = flag(-1, "steps profiled before the step is compiled again with XLA's "
+                                "scheduler given their measured costs, as train.py's flag "
+                                f"(-1: {xla_flags.PROFILED_STEPS} on a GPU mesh of several "
+                                "devices, else 0; 0: off)")
     l1_coeff: float = flag(1e-4, "L1 coefficient in the training loss")
     seed: int = flag(0, "seed of the weights and the token batches")
     out: str = flag("runs/bench_multi_gpu.jsonl", "JSON-lines file the rows are appended to")
@@ -81,6 +86,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[MultiConfig, str | None]:
             raise ValueError(f"--fsdp sizes must be positive, got {cfg.fsdp!r}")
         if cfg.pattern not in ("uniform", "heavy"):
             raise ValueError(f"--pattern must be uniform or heavy, got {cfg.pattern!r}")
+        if cfg.pgle_steps < -1:
+            raise ValueError(f"--pgle-steps must be >= -1, got {cfg.pgle_steps}")
         if cfg.runs < 1 or cfg.target_nnz <= 0:
             raise ValueError("--runs and --target-nnz must be positive")
     except ValueError as e:
@@ -142,11 +149,12 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
     b, t = model_bench.parse_shapes(cfg.batch, "")[0]
     tokens = model_bench.token_batch(model.cfg, bcfg, b * len(devices), t + 1)
     tokens = sharding.shard_batch(np.asarray(tokens), mesh)
+    pgle_steps = xla_flags.profiled_steps(cfg.pgle_steps, len(devices), jax.default_backend())
     with jax.set_mesh(mesh):
         # As train.py steps: one jax.jit over the donated state. Through nnx.jit every call
         # would walk the objects' graphs in Python, host time the synchronised timer counts.
         step, compiled, _, compile_s = model_bench.adamw_step(model, optimizer, tokens,
-                                                               cfg.l1_coeff)
+                                                               cfg.l1_coeff, pgle_steps)
         loss, metrics = jax.device_get(step())
         synchronised = model_bench.time_call(step, cfg.runs)
         timing = model_bench.time_back_to_back(step, cfg.runs)
@@ -160,6 +168,7 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
           "synchronised_ms": synchronised["median_ms"],
           "loss": float(loss), "nnz_mean": np.asarray(metrics["nnz_mean"]).tolist(),
           "dense_fallback_layers": int(metrics["dense_fallback"]), "remat": model.cfg.remat,
+          "pgle_steps": pgle_steps,
           "compile_s": compile_s, "peak_bytes_per_device": peaks,
           "compiled_bytes_per_device": step_bytes})
 

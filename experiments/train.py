@@ -84,7 +84,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from twell_jax import cli, multihost, preemption
+from twell_jax import cli, multihost, preemption, xla_flags
 from twell_jax.cli import flag, flag_parser
 
 from twell_jax import model as model_lib
@@ -149,6 +149,10 @@ class TrainConfig:
                                       "(default $TWELL_HEARTBEAT_TIMEOUT, else jax's 100)")
     compile_cache: str = flag(cli.DEFAULT_COMPILE_CACHE, "folder that keeps the compiled "
                               "steps, so a rerun or --resume skips compiling ('' for none)")
+    pgle_steps: int = flag(-1, "steps profiled before the training step is compiled again "
+                                "with XLA's scheduler given their measured costs (-1: "
+                                f"{xla_flags.PROFILED_STEPS} on a GPU mesh of several "
+                                "devices, else 0; 0: off)")
 
     @property
     def run_name(self) -> str:
@@ -177,6 +181,8 @@ def parse_args(argv: Sequence[str] | None) -> TrainConfig:
         parser.error(f"--heldout-fraction must be in (0, 1), got {cfg.heldout_fraction}")
     if cfg.l1_coeff < 0:
         parser.error(f"--l1-coeff must be >= 0, got {cfg.l1_coeff}")
+    if cfg.pgle_steps < -1:
+        parser.error(f"--pgle-steps must be >= -1, got {cfg.pgle_steps}")
     return cfg
 
 
@@ -411,10 +417,13 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
     if cfg.batch_size % n_batch:
         raise SystemExit(f"--batch-size {cfg.batch_size} must be a multiple of the mesh's "
                          f"{n_batch} devices ({sharding.describe(mesh)})")
+    # Data parallel, the gradient all-reduces overlap more of the backward when XLA schedules
+    # the step from measured costs (twell_jax.xla_flags).
+    pgle_steps = xla_flags.profiled_steps(cfg.pgle_steps, mesh.size, jax.default_backend())
     # Several hosts: every process runs the same steps; only the first one logs and writes files.
     primary = jax.process_index() == 0
     quiet = quiet or not primary
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), xla_flags.profile_guided_scheduling(pgle_steps):
         return _train(cfg, mesh, primary, stop_after, corpus, quiet)
 
 
@@ -467,7 +476,7 @@ SCHEDULE_FLAGS = ("model", "steps", "lr", "warmup", "weight_decay", "grad_clip",
 # Flags of one invocation, not of the run: neither compared nor recorded.
 INVOCATION_FLAGS = ("name", "out_dir", "resume", "allow_config_change", "compile_cache",
                     "distributed", "coordinator", "num_processes", "process_id",
-                    "heartbeat_timeout")
+                    "heartbeat_timeout", "pgle_steps")
 
 
 def config_changes(saved: dict, cfg: TrainConfig) -> list[dict]:

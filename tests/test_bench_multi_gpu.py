@@ -31,7 +31,7 @@ def test_meshes(bench):
 
 def test_bad_flags_exit(bench):
     for flags in (["--presets", "nope"], ["--batch", "8by2048"], ["--batch", "2x8,4x8"],
-                  ["--implementations", "cuda"], ["--fsdp", "0"]):
+                  ["--implementations", "cuda"], ["--fsdp", "0"], ["--pgle-steps", "-2"]):
         with pytest.raises(SystemExit):
             bench.parse_args(flags)
 

@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -133,6 +134,8 @@ def test_parse_args(train):
         train.parse_args(["--seq-len", "4096"])  # longer than the tiny preset's 128
     with pytest.raises(SystemExit):
         train.parse_args(["--implementation", "cuda"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--pgle-steps", "-2"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -181,6 +184,27 @@ def test_exact_resume(train, text_dir, tmp_path):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-6), ra["step"]
         assert ra["nnz_mean"] == pytest.approx(rb["nnz_mean"], rel=1e-6)
     assert a[-1]["loss"] < a[0]["loss"]
+
+
+@pytest.mark.slow  # two training runs
+def test_profile_guided_steps_train_the_same(train, text_dir, tmp_path):
+    """With --pgle-steps the step is compiled again after its profiled steps (on the CPU
+    without costs: the mechanism alone); the run's losses are the same as without, and the
+    setting ends with the run."""
+    corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
+    flags = TINY_FLAGS + ["--ckpt-every", "0", "--eval-every", "0"]
+    losses = []
+    for steps in (0, 2):
+        cfg = train.parse_args(flags + ["--pgle-steps", str(steps),
+                                        "--out-dir", str(tmp_path / str(steps))])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # no GPU: JAX's profile is empty
+            train.train(cfg, corpus=corpus, quiet=True)
+        assert not jax.config.jax_enable_pgle
+        records = train.read_metrics(tmp_path / str(steps) / "metrics.jsonl")
+        losses.append([(r["step"], r["loss"]) for r in records if "loss" in r])
+    assert [s for s, _ in losses[0]] == [1, 2, 3, 4]
+    assert losses[0] == losses[1]
 
 
 @pytest.mark.slow  # a second training subprocess

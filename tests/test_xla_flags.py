@@ -1,11 +1,18 @@
 """``twell_jax.xla_flags``: the device-conditionals flag is added once, never over a user's
-command-buffer setting, and reaches a fresh process before its backend starts."""
+command-buffer setting, and reaches a fresh process before its backend starts; profile-guided
+scheduling is on by default only on a GPU mesh of several devices, and changes no result."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from twell_jax import xla_flags
 
@@ -38,3 +45,49 @@ def test_a_fresh_process_runs_with_it():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.stdout.split() == ["3.0", xla_flags.DEVICE_CONDITIONALS]
+
+
+def test_profiled_steps_default_to_several_gpus_only():
+    auto = xla_flags.PROFILED_STEPS
+    assert auto > 0
+    assert xla_flags.profiled_steps(-1, 2, "gpu") == auto
+    assert xla_flags.profiled_steps(-1, 1, "gpu") == 0
+    assert xla_flags.profiled_steps(-1, 8, "cpu") == 0
+    assert xla_flags.profiled_steps(0, 2, "gpu") == 0  # a user's 0 turns it off
+    assert xla_flags.profiled_steps(5, 1, "cpu") == 5  # and a count stands anywhere
+    with pytest.raises(ValueError, match=">= -1"):
+        xla_flags.profiled_steps(-2, 2, "gpu")
+
+
+def _compiles_and_outputs(fn, x, calls: int) -> tuple[int, list[np.ndarray]]:
+    """(backend compilations, outputs) of ``calls`` calls of a fresh ``jax.jit(fn)``."""
+    names = []
+    listener = lambda name, *_, **__: names.append(name) if "backend_compile" in name else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jitted = jax.jit(fn)
+        with warnings.catch_warnings():
+            # Without a GPU the profile is empty (JAX says so) and the second compilation
+            # gets no costs; the mechanism runs all the same.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            outs = [np.asarray(jitted(x)) for _ in range(calls)]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(names), outs
+
+
+def test_profile_guided_scheduling_compiles_again_and_changes_no_result():
+    """Under the setting a jitted function is compiled twice (its profiled calls, then with
+    their costs) and gives the same values as without, once; the setting ends with the
+    block."""
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    fn = lambda a: jnp.tanh(a @ a.T).sum(axis=0)
+    plain_compiles, (expected, *_) = _compiles_and_outputs(fn, x, 4)
+    before = jax.config.jax_pgle_profiling_runs
+    with xla_flags.profile_guided_scheduling(2):
+        assert jax.config.jax_enable_pgle and jax.config.jax_pgle_profiling_runs == 2
+        compiles, outs = _compiles_and_outputs(lambda a: fn(a), x, 4)
+    assert not jax.config.jax_enable_pgle and jax.config.jax_pgle_profiling_runs == before
+    assert (plain_compiles, compiles) == (1, 2)
+    for out in outs:
+        np.testing.assert_array_equal(out, expected)

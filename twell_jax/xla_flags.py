@@ -1,4 +1,5 @@
-"""The XLA flag the sparse FFN wants on a GPU: its route switches as device-side conditionals.
+"""Compiler settings the sparse FFN wants on a GPU: its route switches as device-side
+conditionals, and, on a mesh of several GPUs, a schedule built from measured costs.
 
 Each sparse FFN call routes its batch with one ``lax.switch`` per direction (dense, the lists
 alone, the lists plus the dense backup: ``twell_jax.ffn``). By default XLA's GPU runtime copies
@@ -12,11 +13,26 @@ XLA reads ``XLA_FLAGS`` once, when JAX starts its backends (at the first computa
 
     from twell_jax import xla_flags
     xla_flags.use_device_conditionals()  # first thing in a script
+
+**Profile-guided scheduling** (``profile_guided_scheduling``). Data parallel, every weight
+gradient is all-reduced, and XLA's latency-hiding scheduler decides which computation each
+all-reduce overlaps, from its own estimate of every operation's cost. The sparse FFN's Pallas
+kernels are custom calls, whose cost it does not know. With JAX's automatic profile-guided
+latency estimation, a jitted step's first calls run under the profiler and the step is then
+compiled again with the measured costs. Two H100s, the 0.5b model, 8 x 2048 tokens per GPU,
+remat on, one process: the sparse step at ``data=2`` 115.5 -> 112.5 ms (scaling over one GPU
+1.84x -> 1.89x), the dense step 139.9 -> 139.4 ms. It costs one more compilation and a few
+slower profiled steps (compiled without command buffers, so each kernel is timed), and
+changes no numerics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
+
+import jax
 
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
 DEVICE_CONDITIONALS = f"{COMMAND_BUFFER_FLAG}=+CONDITIONAL"
@@ -47,3 +63,38 @@ def use_device_conditionals() -> bool:
     on every platform and the CPU ignores it)."""
     os.environ["XLA_FLAGS"] = with_device_conditionals(os.environ.get("XLA_FLAGS", ""))
     return not backends_started()
+
+
+# Calls of a jitted step profiled before it is compiled with their costs (JAX's default).
+PROFILED_STEPS = 3
+
+
+def profiled_steps(requested: int, num_devices: int, platform: str) -> int:
+    """How many steps ``profile_guided_scheduling`` should profile: ``requested`` when it
+    is >= 0, else (-1, the scripts' default) ``PROFILED_STEPS`` on a GPU mesh of several
+    devices, where the schedule decides how the gradient collectives overlap, and 0 (off)
+    on one device or another platform."""
+    if requested < -1:
+        raise ValueError(f"profiled steps must be >= -1 (-1: automatic), got {requested}")
+    if requested >= 0:
+        return requested
+    return PROFILED_STEPS if platform == "gpu" and num_devices > 1 else 0
+
+
+@contextlib.contextmanager
+def profile_guided_scheduling(steps: int) -> Iterator[None]:
+    """Within the block, JAX's automatic profile-guided latency estimation is on (``steps``
+    > 0) or off: a function jitted and called there has its first ``steps`` calls run
+    profiled, then is compiled once more with the measured costs (module docstring). The
+    setting before the block is restored after it. It applies to ``jax.jit`` calls, not to
+    ahead-of-time ``.lower().compile()``. JAX keys its compilation caches on the setting, so
+    call a function under the same setting each time, or it is compiled again."""
+    saved = jax.config.jax_enable_pgle, jax.config.jax_pgle_profiling_runs
+    jax.config.update("jax_enable_pgle", steps > 0)
+    if steps > 0:
+        jax.config.update("jax_pgle_profiling_runs", steps)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_pgle", saved[0])
+        jax.config.update("jax_pgle_profiling_runs", saved[1])

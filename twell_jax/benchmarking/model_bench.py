@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from twell_jax import cli
+from twell_jax import cli, xla_flags
 from twell_jax.cli import flag
 
 from twell_jax import inputs
@@ -152,14 +152,20 @@ def timing_optimizer() -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adamw)(learning_rate=0.0)
 
 
-def adamw_step(model, optimizer, tokens: jax.Array, l1_coeff: float):
+def adamw_step(model, optimizer, tokens: jax.Array, l1_coeff: float, profiled_steps: int = 0):
     """One training step on ``tokens`` [B, T + 1] (loss with the L1 term, backward, the
     optimizer's update) as one ``jax.jit`` over the split (model, optimizer) state, donated and
     carried from call to call, compiled once here, as ``experiments/train.py`` runs it. Under
     ``jax.set_mesh`` (call it there) the state keeps its shardings. Returns (step() -> (loss,
     {"nnz_mean": [L], "dense_fallback": layers sent dense}), the step's ``Compiled``, sync():
     writes the state back into model and optimizer, whose own arrays were donated, compile
-    seconds)."""
+    seconds).
+
+    ``profiled_steps`` > 0: as ``train.py`` with ``--pgle-steps``, the step runs through
+    ``jax.jit`` under ``xla_flags.profile_guided_scheduling``; its profiled calls and the
+    second compilation run here (steps of the optimizer: with a learning rate above 0, unlike
+    ``timing_optimizer``'s, they move the weights) and count in the compile seconds. The
+    ``Compiled`` returned is then the schedule without profile (for its memory figures)."""
     graphdef, state = nnx.split((model, optimizer))
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -177,9 +183,18 @@ def adamw_step(model, optimizer, tokens: jax.Array, l1_coeff: float):
     carry = {"state": state}
 
     def step():
-        carry["state"], out = compiled(carry["state"], tokens)
+        if profiled_steps > 0:
+            with xla_flags.profile_guided_scheduling(profiled_steps):
+                carry["state"], out = train_step(carry["state"], tokens)
+        else:
+            carry["state"], out = compiled(carry["state"], tokens)
         return out
 
+    if profiled_steps > 0:
+        start = time.perf_counter()
+        for _ in range(profiled_steps + 1):  # the profiled calls, then the second compilation
+            jax.block_until_ready(step())
+        compile_s += time.perf_counter() - start
     return step, compiled, lambda: nnx.update((model, optimizer), carry["state"]), compile_s
 
 
