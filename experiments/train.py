@@ -249,15 +249,22 @@ class TrainStep:
     Python on every call: on the H100 the 0.5b step (8 x 2048 tokens) was 12.8 (dense) and
     24.9 (sparse) ms slower through ``nnx.jit``, with the same model code otherwise. The
     objects hold stale (donated) arrays between ``sync`` calls: call it before reading them
-    (evaluation, checkpoints)."""
+    (evaluation, checkpoints).
 
-    def __init__(self, model, optimizer):
+    ``pgle_steps`` > 0: the first steps run profiled and the step is then compiled again with
+    XLA's scheduler given their costs (``xla_flags.profile_guided_scheduling``; on a mesh of
+    several GPUs the gradient all-reduces overlap more of the backward). Only this step is
+    profiled, not the evaluation's."""
+
+    def __init__(self, model, optimizer, pgle_steps: int = 0):
         self.objects = (model, optimizer)
         self.graphdef, self.state = nnx.split(self.objects)
+        self.pgle_steps = pgle_steps
 
     def __call__(self, tokens, l1_coeff) -> dict:
         """One step on ``tokens`` [B, T + 1]; returns its metrics (device arrays)."""
-        self.state, metrics = _train_step(self.graphdef, self.state, tokens, l1_coeff)
+        with xla_flags.profile_guided_scheduling(self.pgle_steps):
+            self.state, metrics = _train_step(self.graphdef, self.state, tokens, l1_coeff)
         return metrics
 
     def lower(self, tokens, l1_coeff):
@@ -417,13 +424,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, corpus: Corpus | N
     if cfg.batch_size % n_batch:
         raise SystemExit(f"--batch-size {cfg.batch_size} must be a multiple of the mesh's "
                          f"{n_batch} devices ({sharding.describe(mesh)})")
-    # Data parallel, the gradient all-reduces overlap more of the backward when XLA schedules
-    # the step from measured costs (twell_jax.xla_flags).
-    pgle_steps = xla_flags.profiled_steps(cfg.pgle_steps, mesh.size, jax.default_backend())
     # Several hosts: every process runs the same steps; only the first one logs and writes files.
     primary = jax.process_index() == 0
     quiet = quiet or not primary
-    with jax.set_mesh(mesh), xla_flags.profile_guided_scheduling(pgle_steps):
+    with jax.set_mesh(mesh):
         return _train(cfg, mesh, primary, stop_after, corpus, quiet)
 
 
@@ -688,10 +692,13 @@ def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after:
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, disable=quiet,
                dynamic_ncols=True, desc=cfg.run_name)
-    # Training time excludes the first step (compilation), evaluations and checkpoints.
+    # Training time excludes the steps that compile (the first; with profile-guided scheduling
+    # also the profiled ones and the one compiled again after them), evaluations and
+    # checkpoints.
     clock = _Clock()
     last_eval: dict = {}
-    train_step = TrainStep(model, optimizer)
+    train_step = TrainStep(model, optimizer, xla_flags.profiled_steps(
+        cfg.pgle_steps, mesh.size, jax.default_backend()))
     saved_step, stop_signal, done = start, None, start
     # From here SIGTERM / SIGINT only ask to stop: acted on between steps (twell_jax.preemption).
     with preemption.StopSignals() as signals:
@@ -700,7 +707,7 @@ def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after:
                                                       cfg.seed, step, TRAIN_STREAM), mesh)
             metrics = train_step(batch, l1_coeff)
             done = step + 1
-            if step == start:
+            if step - start <= train_step.pgle_steps:
                 jax.block_until_ready(metrics)
                 clock.start()
             else:
