@@ -263,6 +263,9 @@ class TrainStep:
 
     def __call__(self, tokens, l1_coeff) -> dict:
         """One step on ``tokens`` [B, T + 1]; returns its metrics (device arrays)."""
+        if not self.pgle_steps:
+            self.state, metrics = _train_step(self.graphdef, self.state, tokens, l1_coeff)
+            return metrics
         with xla_flags.profile_guided_scheduling(self.pgle_steps):
             self.state, metrics = _train_step(self.graphdef, self.state, tokens, l1_coeff)
         return metrics

@@ -77,9 +77,9 @@ def _compiles_and_outputs(fn, x, calls: int) -> tuple[int, list[np.ndarray]]:
 
 
 def test_profile_guided_scheduling_compiles_again_and_changes_no_result():
-    """Under the setting a jitted function is compiled twice (its profiled calls, then with
-    their costs) and gives the same values as without, once; the setting ends with the
-    block."""
+    """Under the setting a jitted function is compiled twice (for its profiled calls, then
+    with their costs), not once, and gives the same values as without; the setting ends with
+    the block."""
     x = jax.random.normal(jax.random.key(0), (64, 64))
     fn = lambda a: jnp.tanh(a @ a.T).sum(axis=0)
     plain_compiles, (expected, *_) = _compiles_and_outputs(fn, x, 4)
