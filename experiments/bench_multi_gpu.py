@@ -123,15 +123,6 @@ def _bench_config(cfg: MultiConfig, n_devices: int) -> model_bench.BenchConfig:
                                    seed=cfg.seed)
 
 
-def build_model(preset: str, implementation: str, cfg: MultiConfig,
-                bcfg: model_bench.BenchConfig) -> model_lib.Transformer:
-    """The preset as ``bench_model.py`` builds it, with ``--remat``'s setting (``model_bench``
-    builds it with remat off, for bench_model to set per measurement)."""
-    model = model_bench.build_model(preset, implementation, bcfg)
-    model.cfg = dataclasses.replace(model.cfg, remat=cfg.remat)
-    return model
-
-
 # ------------------------------------------------------------------------------------------
 # The worker.
 
@@ -141,7 +132,7 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
     devices = jax.devices()[:spec["devices"]]
     mesh = sharding.make_mesh(sharding.parse_mesh(spec["mesh"], len(devices)), devices)
     bcfg = _bench_config(cfg, spec["all_devices"])
-    model = build_model(preset, impl, cfg, bcfg)
+    model = model_bench.build_model(preset, impl, bcfg, remat=cfg.remat)
     for block, bias in zip(model.blocks, np.load(spec["bias_file"])):
         block.ffn.b_gate[...] = jnp.asarray(bias, block.ffn.b_gate[...].dtype)
     optimizer = nnx.Optimizer(model, model_bench.timing_optimizer(), wrt=nnx.Param)

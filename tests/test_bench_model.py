@@ -31,6 +31,13 @@ def test_firing_rates_reject_an_unknown_pattern():
         inputs.firing_rates(64, 2.0, "zipf")
 
 
+@pytest.mark.parametrize("remat", [True, False])
+def test_model_is_built_with_the_remat_asked_for(bench, remat):
+    cfg = bench.BenchConfig(presets="tiny")
+    assert model_bench.build_model("tiny", "xla", cfg, remat=remat).cfg.remat is remat
+    assert model_bench.build_model("tiny", "xla", cfg).cfg.remat is False
+
+
 def test_calibration_hits_the_target(bench):
     cfg = bench.BenchConfig(presets="tiny", train_batch="8x64", target_nnz=28.0 * 8)
     model = model_bench.build_model("tiny", "xla", cfg)

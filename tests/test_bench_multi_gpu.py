@@ -57,18 +57,13 @@ def test_two_fake_devices(tmp_path):
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
         assert math.isfinite(r["loss"])
         assert math.isfinite(r["synchronised_ms"]) and r["synchronised_ms"] > 0
-        assert r["remat"] is True  # the model's own setting, from the default --remat
+        # The model's own setting: the default --remat reached it (model_bench builds with
+        # remat off unless told).
+        assert r["remat"] is True
     # FSDP halves the parameters and AdamW state each device holds.
     assert (times["data=1,fsdp=2"]["compiled_bytes_per_device"]
             < times["data=2"]["compiled_bytes_per_device"])
     assert "speedup" in proc.stdout and "data=1,fsdp=2" in proc.stdout
-
-
-@pytest.mark.parametrize("remat", [True, False])
-def test_model_takes_the_remat_flag(bench, remat):
-    cfg = bench.MultiConfig(remat=remat)
-    model = bench.build_model("tiny", "xla", cfg, bench._bench_config(cfg, 1))
-    assert model.cfg.remat is remat
 
 
 def test_scaling_table_compares_each_mesh_with_dense(bench):

@@ -242,10 +242,11 @@ def compiled_bytes(compiled) -> int | None:
         return None
 
 
-def build_model(preset: str, implementation: str, cfg: BenchConfig):
-    """The preset with gate biases, remat off (training sets it per measurement)."""
+def build_model(preset: str, implementation: str, cfg: BenchConfig, *, remat: bool = False):
+    """The preset with gate biases and ``remat`` (``bench_model.py`` builds it off and sets it
+    per training measurement)."""
     return model_lib.build(preset, implementation=implementation, gate_bias=True, seed=cfg.seed,
-                           scan_layers=cfg.scan_layers,
+                           scan_layers=cfg.scan_layers, remat=remat,
                            twell=TwELLConfig(hot_units=cfg.hot_units))
 
 
