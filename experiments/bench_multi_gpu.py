@@ -142,11 +142,12 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
     tokens = model_bench.token_batch(model.cfg, bcfg, b * len(devices), t + 1)
     tokens = sharding.shard_batch(np.asarray(tokens), mesh)
     pgle_steps = xla_flags.profiled_steps(cfg.pgle_steps, len(devices), jax.default_backend())
+    options = xla_flags.step_compiler_options(mesh.shape)
     with jax.set_mesh(mesh):
         # As train.py steps: one jax.jit over the donated state. Through nnx.jit every call
         # would walk the objects' graphs in Python, host time the synchronised timer counts.
-        step, compiled, _, compile_s = model_bench.adamw_step(model, optimizer, tokens,
-                                                               cfg.l1_coeff, pgle_steps)
+        step, compiled, _, compile_s = model_bench.adamw_step(
+            model, optimizer, tokens, cfg.l1_coeff, pgle_steps, options)
         loss, metrics = jax.device_get(step())
         synchronised = model_bench.time_call(step, cfg.runs)
         timing = model_bench.time_back_to_back(step, cfg.runs)
@@ -160,7 +161,7 @@ def worker_measure(spec: dict, cfg: MultiConfig, emit: Callable) -> None:
           "synchronised_ms": synchronised["median_ms"],
           "loss": float(loss), "nnz_mean": np.asarray(metrics["nnz_mean"]).tolist(),
           "dense_fallback_layers": int(metrics["dense_fallback"]), "remat": model.cfg.remat,
-          "pgle_steps": pgle_steps,
+          "pgle_steps": pgle_steps, "compiler_options": options,
           "compile_s": compile_s, "peak_bytes_per_device": peaks,
           "compiled_bytes_per_device": step_bytes})
 

@@ -257,7 +257,8 @@ def train_program(model, tokens, l1_coeff: float, mesh: jax.sharding.Mesh | None
     """(call, hlo): one AdamW training step on ``tokens`` [B, T + 1], as bench_model times it
     (one jit over the split, donated model + optimizer state); with a ``mesh``, the state and
     the batch sharded over it (``twell_jax.sharding``), as ``experiments/train.py --mesh``
-    runs it: on several GPUs compiled again from the costs of profiled steps (its default
+    runs it: with the mesh's compiler options (``xla_flags.step_compiler_options``) and, on
+    several GPUs, compiled again from the costs of profiled steps (its default
     ``--pgle-steps``), while the HLO returned is the step's program before that."""
     optimizer = nnx.Optimizer(model, timing_optimizer(), wrt=nnx.Param)
     if mesh is None:
@@ -268,7 +269,8 @@ def train_program(model, tokens, l1_coeff: float, mesh: jax.sharding.Mesh | None
     tokens = sharding.shard_batch(np.asarray(tokens), mesh)
     pgle_steps = xla_flags.profiled_steps(-1, mesh.size, jax.default_backend())
     with jax.set_mesh(mesh):
-        step, compiled, _, _ = adamw_step(model, optimizer, tokens, l1_coeff, pgle_steps)
+        step, compiled, _, _ = adamw_step(model, optimizer, tokens, l1_coeff, pgle_steps,
+                                          xla_flags.step_compiler_options(mesh.shape))
     return step, compiled.as_text
 
 

@@ -233,7 +233,6 @@ def build(cfg: TrainConfig, vocab_size: int, mesh: jax.sharding.Mesh | None = No
     return model, optimizer
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _train_step(graphdef, state, tokens, l1_coeff):
     model, optimizer = nnx.merge(graphdef, state)
     grad_fn = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)
@@ -241,6 +240,14 @@ def _train_step(graphdef, state, tokens, l1_coeff):
     optimizer.update(model, grads)
     metrics["grad_norm"] = optax.global_norm(grads)
     return nnx.state((model, optimizer)), metrics
+
+
+def _jit_train_step(compiler_options: dict[str, str] | None = None):
+    return jax.jit(_train_step, static_argnums=0, donate_argnums=1,
+                   compiler_options=compiler_options or None)
+
+
+_jitted_train_step = _jit_train_step()  # shared by every step without compiler options
 
 
 class TrainStep:
@@ -254,25 +261,28 @@ class TrainStep:
     ``pgle_steps`` > 0: the first steps run profiled and the step is then compiled again with
     XLA's scheduler given their costs (``xla_flags.profile_guided_scheduling``; on a mesh of
     several GPUs the gradient all-reduces overlap more of the backward). Only this step is
-    profiled, not the evaluation's."""
+    profiled, not the evaluation's. ``compiler_options``: XLA options for this step's
+    compilations (``xla_flags.step_compiler_options`` of the mesh)."""
 
-    def __init__(self, model, optimizer, pgle_steps: int = 0):
+    def __init__(self, model, optimizer, pgle_steps: int = 0,
+                 compiler_options: dict[str, str] | None = None):
         self.objects = (model, optimizer)
         self.graphdef, self.state = nnx.split(self.objects)
         self.pgle_steps = pgle_steps
+        self._step = _jit_train_step(compiler_options) if compiler_options else _jitted_train_step
 
     def __call__(self, tokens, l1_coeff) -> dict:
         """One step on ``tokens`` [B, T + 1]; returns its metrics (device arrays)."""
         if not self.pgle_steps:
-            self.state, metrics = _train_step(self.graphdef, self.state, tokens, l1_coeff)
+            self.state, metrics = self._step(self.graphdef, self.state, tokens, l1_coeff)
             return metrics
         with xla_flags.profile_guided_scheduling(self.pgle_steps):
-            self.state, metrics = _train_step(self.graphdef, self.state, tokens, l1_coeff)
+            self.state, metrics = self._step(self.graphdef, self.state, tokens, l1_coeff)
         return metrics
 
     def lower(self, tokens, l1_coeff):
         """The step's ``jax.stages.Lowered`` (to inspect its program)."""
-        return _train_step.lower(self.graphdef, self.state, tokens, l1_coeff)
+        return self._step.lower(self.graphdef, self.state, tokens, l1_coeff)
 
     def sync(self) -> None:
         """Writes the current state back into the model and the optimizer."""
@@ -700,8 +710,10 @@ def _train(cfg: TrainConfig, mesh: jax.sharding.Mesh, primary: bool, stop_after:
     # checkpoints.
     clock = _Clock()
     last_eval: dict = {}
-    train_step = TrainStep(model, optimizer, xla_flags.profiled_steps(
-        cfg.pgle_steps, mesh.size, jax.default_backend()))
+    train_step = TrainStep(model, optimizer,
+                           xla_flags.profiled_steps(cfg.pgle_steps, mesh.size,
+                                                    jax.default_backend()),
+                           xla_flags.step_compiler_options(mesh.shape))
     saved_step, stop_signal, done = start, None, start
     # From here SIGTERM / SIGINT only ask to stop: acted on between steps (twell_jax.preemption).
     with preemption.StopSignals() as signals:

@@ -28,6 +28,7 @@ from flax import nnx
 
 from tests.utils import load_experiment
 from twell_jax import model as model_lib
+from twell_jax import xla_flags
 from twell_jax import sharding
 from twell_jax.config import TwELLConfig
 
@@ -74,7 +75,8 @@ def _one_step(train, cfg, mesh) -> tuple[dict, dict, object, object]:
     model, optimizer = _build(train, cfg, mesh)
     args = (sharding.shard_batch(_batch(train), mesh), jnp.float32(cfg.l1_coeff))
     with jax.set_mesh(mesh):
-        step = train.TrainStep(model, optimizer)
+        # The compiler options train.py gives a step on this mesh.
+        step = train.TrainStep(model, optimizer, 0, xla_flags.step_compiler_options(mesh.shape))
         # Which Pallas kernels the step's program holds (their pallas_call names), and whether
         # the FFN went under shard_map (a manual computation).
         program = step.lower(*args).as_text(debug_info=True)

@@ -38,6 +38,25 @@ def test_model_is_built_with_the_remat_asked_for(bench, remat):
     assert model_bench.build_model("tiny", "xla", cfg).cfg.remat is False
 
 
+def test_adamw_step_compiles_with_its_compiler_options(bench):
+    """``adamw_step``'s compiler options reach XLA: a value XLA does not know fails the
+    step's compilation; none compiles it."""
+    from flax import nnx
+
+    from twell_jax import xla_flags
+
+    cfg = bench.BenchConfig(presets="tiny")
+    model = model_bench.build_model("tiny", "xla", cfg)
+    optimizer = nnx.Optimizer(model, model_bench.timing_optimizer(), wrt=nnx.Param)
+    tokens = model_bench.token_batch(model.cfg, cfg, 2, 17)
+    (name,) = xla_flags.PIPELINED_ALL_REDUCE
+    with pytest.raises(Exception, match=name):
+        model_bench.adamw_step(model, optimizer, tokens, 0.0, compiler_options={name: "NOT_A_MODE"})
+    step, *_ = model_bench.adamw_step(model, optimizer, tokens, 0.0)
+    loss, _ = step()
+    assert np.isfinite(float(loss))
+
+
 def test_calibration_hits_the_target(bench):
     cfg = bench.BenchConfig(presets="tiny", train_batch="8x64", target_nnz=28.0 * 8)
     model = model_bench.build_model("tiny", "xla", cfg)

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from tests.utils import load_experiment, subprocess_env
-from twell_jax import data
+from twell_jax import data, xla_flags
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +164,19 @@ def test_checkpoint_round_trip(train, text_dir, tmp_path):
     _states_equal(nnx.state(fresh_opt), nnx.state(optimizer))
     assert int(fresh_opt.step[...]) == 1
     manager.close()
+
+
+def test_train_step_compiles_with_its_compiler_options(train, text_dir):
+    """``TrainStep``'s compiler options reach XLA: a value XLA does not know fails the
+    step's compilation (the real option is checked against XLA in test_xla_flags)."""
+    cfg = train.parse_args(TINY_FLAGS)
+    corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
+    model, optimizer = train.build(cfg, corpus.vocab_size)
+    batch = train.sample_batch(corpus.train, 4, 32, 0, 0)
+    (name,) = xla_flags.PIPELINED_ALL_REDUCE
+    step = train.TrainStep(model, optimizer, compiler_options={name: "NOT_A_MODE"})
+    with pytest.raises(Exception, match=name):
+        step(batch, np.float32(0.01))
 
 
 @pytest.mark.slow  # fast tier: test_sigterm_in_process_saves_and_resumes_exactly resumes exactly

@@ -1,6 +1,7 @@
 """``twell_jax.xla_flags``: the device-conditionals flag is added once, never over a user's
 command-buffer setting, and reaches a fresh process before its backend starts; profile-guided
-scheduling is on by default only on a GPU mesh of several devices, and changes no result."""
+scheduling is on by default only on a GPU mesh of several devices, and changes no result; the
+all-reduce pipelining option is set only with FSDP, and this XLA knows it."""
 
 from __future__ import annotations
 
@@ -57,6 +58,29 @@ def test_profiled_steps_default_to_several_gpus_only():
     assert xla_flags.profiled_steps(5, 1, "cpu") == 5  # and a count stands anywhere
     with pytest.raises(ValueError, match=">= -1"):
         xla_flags.profiled_steps(-2, 2, "gpu")
+
+
+def test_all_reduce_pipelining_only_with_fsdp():
+    on = xla_flags.PIPELINED_ALL_REDUCE
+    assert xla_flags.step_compiler_options({"data": 2, "fsdp": 1}) == {}
+    assert xla_flags.step_compiler_options({"data": 8}) == {}
+    assert xla_flags.step_compiler_options({"data": 1, "fsdp": 2}) == on
+    assert xla_flags.step_compiler_options({"data": 2, "fsdp": 4}) == on
+    options = xla_flags.step_compiler_options({"fsdp": 2})
+    options["other"] = "1"  # a copy: the module's value stays as it is
+    assert "other" not in xla_flags.PIPELINED_ALL_REDUCE
+
+
+def test_this_xla_knows_the_pipelining_option():
+    """The option's name and value are this XLA's (a rename in a newer jax fails here, not on
+    a GPU run): a function compiled with it gives its values, and XLA checks the value (one
+    it does not know fails the compilation)."""
+    x = jnp.arange(8.0)
+    out = jax.jit(lambda a: a * 2, compiler_options=xla_flags.PIPELINED_ALL_REDUCE)(x)
+    np.testing.assert_array_equal(np.asarray(out), np.arange(8.0) * 2)
+    (name,) = xla_flags.PIPELINED_ALL_REDUCE
+    with pytest.raises(Exception, match=name):
+        jax.jit(lambda a: a * 3, compiler_options={name: "NOT_A_MODE"})(x)
 
 
 def _compiles_and_outputs(fn, x, calls: int) -> tuple[int, list[np.ndarray]]:

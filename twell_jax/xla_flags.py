@@ -24,13 +24,21 @@ remat on, one process: the sparse step at ``data=2`` 115.5 -> 112.5 ms (scaling 
 1.84x -> 1.89x), the dense step 139.9 -> 139.4 ms. It costs one more compilation and a few
 slower profiled steps (compiled without command buffers, so each kernel is timed), and
 changes no numerics.
+
+**All-reduces pipelined across the layer scan, with FSDP** (``step_compiler_options``). XLA's
+collective pipeliner can move a loop's all-reduces across its iterations, so the one issued
+at the end of a layer's step of the scan runs beside the next layer's. On two H100s (0.5b, 8
+x 2048 tokens per GPU, remat on, one process set) it took ``fsdp=2`` scaling from 1.888x to
+1.922x (sparse) and 1.894x to 1.902x (dense), and the peak memory from 11.1 to 10.4 GiB
+(sparse); at ``data=2`` it lost (1.884x -> 1.844x sparse, 1.880x -> 1.857x dense), so it is
+set only on a mesh with an ``fsdp`` axis of more than one device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import jax
 
@@ -98,3 +106,16 @@ def profile_guided_scheduling(steps: int) -> Iterator[None]:
     finally:
         jax.config.update("jax_enable_pgle", saved[0])
         jax.config.update("jax_pgle_profiling_runs", saved[1])
+
+
+# XLA's compile option (a ``DebugOptions`` field) that pipelines a loop's all-reduces, and
+# its value; as a per-program option it leaves the process's other programs alone.
+PIPELINED_ALL_REDUCE = {"xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON"}
+
+
+def step_compiler_options(mesh_shape: Mapping[str, int]) -> dict[str, str]:
+    """The XLA options a training step jitted on a mesh of ``mesh_shape`` (axis -> size, as
+    ``Mesh.shape``) is compiled with: ``PIPELINED_ALL_REDUCE`` when its ``fsdp`` axis has more
+    than one device (module docstring: measured faster there, slower data parallel), else
+    none. Pass them as ``jax.jit(..., compiler_options=...)``; on a CPU XLA ignores them."""
+    return dict(PIPELINED_ALL_REDUCE) if mesh_shape.get("fsdp", 1) > 1 else {}

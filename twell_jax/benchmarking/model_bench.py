@@ -152,7 +152,8 @@ def timing_optimizer() -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adamw)(learning_rate=0.0)
 
 
-def adamw_step(model, optimizer, tokens: jax.Array, l1_coeff: float, profiled_steps: int = 0):
+def adamw_step(model, optimizer, tokens: jax.Array, l1_coeff: float, profiled_steps: int = 0,
+               compiler_options: dict[str, str] | None = None):
     """One training step on ``tokens`` [B, T + 1] (loss with the L1 term, backward, the
     optimizer's update) as one ``jax.jit`` over the split (model, optimizer) state, donated and
     carried from call to call, compiled once here, as ``experiments/train.py`` runs it. Under
@@ -165,10 +166,12 @@ def adamw_step(model, optimizer, tokens: jax.Array, l1_coeff: float, profiled_st
     ``jax.jit`` under ``xla_flags.profile_guided_scheduling``; its profiled calls and the
     second compilation run here (steps of the optimizer: with a learning rate above 0, unlike
     ``timing_optimizer``'s, they move the weights) and count in the compile seconds. The
-    ``Compiled`` returned is then the schedule without profile (for its memory figures)."""
+    ``Compiled`` returned is then the schedule without profile (for its memory figures).
+    ``compiler_options``: XLA options for the step's compilations, as ``train.py`` passes
+    them (``xla_flags.step_compiler_options`` of the mesh)."""
     graphdef, state = nnx.split((model, optimizer))
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    @functools.partial(jax.jit, donate_argnums=0, compiler_options=compiler_options or None)
     def train_step(state, tokens):
         m, opt = nnx.merge(graphdef, state)
         grad_fn = nnx.value_and_grad(model_lib.loss_fn, has_aux=True)
