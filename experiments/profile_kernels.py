@@ -7,7 +7,8 @@ gate biases calibrated to ``--mean-nnz`` active units per token as in ``bench_mo
 - train (``--train``): one training step (loss with the L1 term, backward, AdamW) as
   ``bench_model.py`` times it, remat as ``--remat``; with ``--mesh`` (e.g. ``data=2``) on
   every visible GPU, ``--train`` tokens per device, and each GPU's collective (NCCL) time and
-  the part of it no other kernel ran beside (all-reduces the program failed to hide);
+  the part of it no other kernel ran beside (collectives the program failed to hide), in all
+  and per NCCL kernel name (the operation and dtype: which collectives wait);
 - decode: ``model.generation_steps`` (generate's jitted loop) for ``--decode-steps`` steps at
   batch ``--decode-batch`` after a prompt of ``--context`` minus those steps (bf16 parameters,
   no statistics, as ``bench_generate.py`` times it).
@@ -153,13 +154,48 @@ def collective_alone_ns(events: list[tuple[str, float, float]]) -> float:
     return busy_ns(events) - busy_ns([e for e in events if kind_of(e[0]) != "collective"])
 
 
+def _merged(events: list[tuple[str, float, float]]) -> list[tuple[float, float]]:
+    """The union of the events' intervals as sorted, disjoint (start, stop) pairs."""
+    merged: list[list[float]] = []
+    for _, start, duration in sorted(events, key=lambda e: e[1]):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], start + duration)
+        else:
+            merged.append([start, start + duration])
+    return [(a, b) for a, b in merged]
+
+
+def alone_ns_by_collective(events: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Per collective kernel name, the time its kernels ran while no other (non-collective)
+    kernel did: which collective kind the program leaves exposed (NCCL names carry the
+    operation and dtype, e.g. ``ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL``). Two
+    collectives running at once both count that time."""
+    others = _merged([e for e in events if kind_of(e[0]) != "collective"])
+    starts = [a for a, _ in others]
+    alone: dict[str, float] = {}
+    for name, start, duration in events:
+        if kind_of(name) != "collective":
+            continue
+        stop, hidden = start + duration, 0.0
+        # Intervals of the others that may overlap [start, stop): from the last one that
+        # starts at or before ``start`` on.
+        i = max(0, int(np.searchsorted(starts, start, side="right")) - 1)
+        while i < len(others) and others[i][0] < stop:
+            hidden += max(0.0, min(stop, others[i][1]) - max(start, others[i][0]))
+            i += 1
+        alone[name] = alone.get(name, 0.0) + duration - hidden
+    return alone
+
+
 def device_summary(events: list[tuple[str, float, float]], runs: int) -> dict:
     """One GPU's busy time, its collectives' time (union) and the part of it no other kernel
-    ran beside, in ms per run."""
+    ran beside, in ms per run, and that part per collective kernel name (largest first)."""
     collectives = [e for e in events if kind_of(e[0]) == "collective"]
+    by_name = sorted(alone_ns_by_collective(events).items(), key=lambda kv: -kv[1])
     return {"busy_ms": busy_ns(events) / 1e6 / runs,
             "collective_ms": busy_ns(collectives) / 1e6 / runs,
-            "collective_alone_ms": collective_alone_ns(events) / 1e6 / runs}
+            "collective_alone_ms": collective_alone_ns(events) / 1e6 / runs,
+            "collective_alone_by_kernel_ms": {name: ns / 1e6 / runs for name, ns in by_name}}
 
 
 def profile(fn: Callable[[], object], runs: int) -> dict:
@@ -400,6 +436,9 @@ def print_table(rows: list[dict], top: int) -> None:
                 print(f"  {device}: busy {d['busy_ms'] / per:.3f} ms, collectives "
                       f"{d['collective_ms'] / per:.3f} ms, of which alone "
                       f"{d['collective_alone_ms'] / per:.3f} ms")
+                for name, ms in list(d.get("collective_alone_by_kernel_ms", {}).items())[:top]:
+                    if ms > 0:
+                        print(f"    alone {ms / per:9.4f} ms  {name[:70]}")
         for k in r["kernels"][:top]:
             src = f"  <- {k['src'][-70:]}" if k.get("src") else ""
             print(f"  {k['ms'] / per:9.4f} ms {k['calls'] / per:6.1f}x  {k['kind']:9s} "

@@ -32,7 +32,25 @@ def test_collectives_alone_are_those_no_other_kernel_overlaps(prof):
     assert prof.collective_alone_ns(events[:1]) == 0.0
     summary = prof.device_summary(events, runs=2)
     assert summary == {"busy_ms": 20.0 / 2e6, "collective_ms": 15.0 / 2e6,
-                       "collective_alone_ms": 9.0 / 2e6}
+                       "collective_alone_ms": 9.0 / 2e6,
+                       "collective_alone_by_kernel_ms": {
+                           "ncclDevKernel_AllReduce_Sum_f32": 4.0 / 2e6,
+                           "ncclDevKernel_AllReduce_Sum_bf16": 5.0 / 2e6}}
+
+
+def test_exposed_time_per_collective_kernel(prof):
+    """Each collective's time outside every other kernel's intervals, summed per name: a
+    collective spanning several other kernels, one inside another kernel, two at once."""
+    events = [("gemm_a", 0.0, 10.0), ("fusion_b", 12.0, 3.0), ("gemm_c", 14.0, 4.0),
+                   ("ncclDevKernel_ReduceScatter_bf16", 5.0, 20.0),  # hidden [5,10) [12,18)
+                   ("ncclDevKernel_AllGather_bf16", 1.0, 2.0),  # inside gemm_a
+                   ("ncclDevKernel_AllGather_bf16", 20.0, 10.0),  # alone, beside the other
+                   ("ncclDevKernel_AllReduce_f32", 40.0, 1.0)]
+    got = prof.alone_ns_by_collective(events)
+    assert got == {"ncclDevKernel_ReduceScatter_bf16": 20.0 - 5.0 - 6.0,
+                   "ncclDevKernel_AllGather_bf16": 0.0 + 10.0,
+                   "ncclDevKernel_AllReduce_f32": 1.0}
+    assert prof.alone_ns_by_collective(events[:3]) == {}
 
 
 @pytest.mark.parametrize("name, kind", [
