@@ -28,8 +28,7 @@ from flax import nnx
 
 from tests.utils import load_experiment
 from twell_jax import model as model_lib
-from twell_jax import xla_flags
-from twell_jax import sharding
+from twell_jax import sharding, xla_flags
 from twell_jax.config import TwELLConfig
 
 # Small enough for the Pallas kernels in interpret mode (a step in a few seconds).

@@ -51,7 +51,8 @@ def test_adamw_step_compiles_with_its_compiler_options(bench):
     tokens = model_bench.token_batch(model.cfg, cfg, 2, 17)
     (name,) = xla_flags.PIPELINED_ALL_REDUCE
     with pytest.raises(Exception, match=name):
-        model_bench.adamw_step(model, optimizer, tokens, 0.0, compiler_options={name: "NOT_A_MODE"})
+        model_bench.adamw_step(model, optimizer, tokens, 0.0,
+                               compiler_options={name: "NOT_A_MODE"})
     step, *_ = model_bench.adamw_step(model, optimizer, tokens, 0.0)
     loss, _ = step()
     assert np.isfinite(float(loss))

@@ -42,10 +42,10 @@ def test_exposed_time_per_collective_kernel(prof):
     """Each collective's time outside every other kernel's intervals, summed per name: a
     collective spanning several other kernels, one inside another kernel, two at once."""
     events = [("gemm_a", 0.0, 10.0), ("fusion_b", 12.0, 3.0), ("gemm_c", 14.0, 4.0),
-                   ("ncclDevKernel_ReduceScatter_bf16", 5.0, 20.0),  # hidden [5,10) [12,18)
-                   ("ncclDevKernel_AllGather_bf16", 1.0, 2.0),  # inside gemm_a
-                   ("ncclDevKernel_AllGather_bf16", 20.0, 10.0),  # alone, beside the other
-                   ("ncclDevKernel_AllReduce_f32", 40.0, 1.0)]
+              ("ncclDevKernel_ReduceScatter_bf16", 5.0, 20.0),  # hidden [5, 10), [12, 18)
+              ("ncclDevKernel_AllGather_bf16", 1.0, 2.0),  # inside gemm_a
+              ("ncclDevKernel_AllGather_bf16", 20.0, 10.0),  # alone, beside the other
+              ("ncclDevKernel_AllReduce_f32", 40.0, 1.0)]
     got = prof.alone_ns_by_collective(events)
     assert got == {"ncclDevKernel_ReduceScatter_bf16": 20.0 - 5.0 - 6.0,
                    "ncclDevKernel_AllGather_bf16": 0.0 + 10.0,

@@ -28,10 +28,10 @@ changes no numerics.
 **All-reduces pipelined across the layer scan, with FSDP** (``step_compiler_options``). XLA's
 collective pipeliner can move a loop's all-reduces across its iterations, so the one issued
 at the end of a layer's step of the scan runs beside the next layer's. On two H100s (0.5b, 8
-x 2048 tokens per GPU, remat on, one process set) it took ``fsdp=2`` scaling from 1.888x to
-1.922x (sparse) and 1.894x to 1.902x (dense), and the peak memory from 11.1 to 10.4 GiB
-(sparse); at ``data=2`` it lost (1.884x -> 1.844x sparse, 1.880x -> 1.857x dense), so it is
-set only on a mesh with an ``fsdp`` axis of more than one device.
+x 2048 tokens per GPU, remat on, two runs on one machine) it took ``fsdp=2`` scaling from
+1.888x to 1.922x (sparse) and 1.894x to 1.902x (dense), and the peak memory from 11.1 to 10.4
+GiB (sparse); at ``data=2`` it lost (1.884x -> 1.844x sparse, 1.880x -> 1.857x dense), so it
+is set only on a mesh with an ``fsdp`` axis of more than one device.
 """
 
 from __future__ import annotations
