@@ -15,11 +15,12 @@ token (``model_bench.calibrate``) on the largest global batch, so every run's ba
 rows) has the calibrated sparsity. Then one subprocess per (implementation, mesh) times a
 training step (loss with the L1 term, backward, AdamW with a learning rate of 0 so the
 calibrated sparsity holds; remat by default), stepped as ``experiments/train.py`` steps (one
-``jax.jit`` over the donated state; on a GPU mesh of several devices compiled again from the
-costs of a few profiled steps, as ``train.py``'s ``--pgle-steps`` does) and timed back to
-back (``model_bench.time_back_to_back``: tokens/s and ``median_ms`` come from steps issued as
-a training loop issues them, one wait per few steps; ``synchronised_ms`` waits for every
-step), on:
+``jax.jit`` over the donated state, with ``train.py``'s compiler options for the mesh; on a
+GPU mesh of several devices compiled again from the costs of a few profiled steps, as
+``train.py``'s ``--pgle-steps`` does) and timed back to back
+(``model_bench.time_back_to_back``: tokens/s and ``median_ms`` come from steps issued as a
+training loop issues them, one wait per few steps; ``synchronised_ms`` waits for every step),
+on:
 
   - ``1 device``: the first device alone (the baseline);
   - ``data=N``: every visible device, data parallel (parameters replicated);

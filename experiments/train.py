@@ -244,7 +244,7 @@ def _train_step(graphdef, state, tokens, l1_coeff):
 
 def _jit_train_step(compiler_options: dict[str, str] | None = None):
     return jax.jit(_train_step, static_argnums=0, donate_argnums=1,
-                   compiler_options=compiler_options or None)
+                   compiler_options=compiler_options)
 
 
 _jitted_train_step = _jit_train_step()  # shared by every step without compiler options

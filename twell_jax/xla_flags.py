@@ -1,5 +1,6 @@
 """Compiler settings the sparse FFN wants on a GPU: its route switches as device-side
-conditionals, and, on a mesh of several GPUs, a schedule built from measured costs.
+conditionals, and, for a training step on a mesh of several GPUs, a schedule built from
+measured costs and, with FSDP, all-reduces pipelined across the scan over the blocks.
 
 Each sparse FFN call routes its batch with one ``lax.switch`` per direction (dense, the lists
 alone, the lists plus the dense backup: ``twell_jax.ffn``). By default XLA's GPU runtime copies
