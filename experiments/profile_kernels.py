@@ -284,9 +284,12 @@ def _tokens(vocab: int, b: int, t: int, seed: int) -> jax.Array:
 
 
 def prefill_program(model, tokens):
-    """(call, hlo): the last position's logits of ``tokens``, as bench_model times them."""
+    """(call, hlo): the last position's logits of ``tokens``, as bench_model times them (the
+    blocks' parameters stacked once, before the calls)."""
     call, jitted, state = jit_over_state(last_logits, model)
-    return (lambda: call(tokens), lambda: jitted.lower(state, tokens).compile().as_text())
+    stacked = model.stack_for_inference()
+    return (lambda: call(tokens, stacked),
+            lambda: jitted.lower(state, tokens, stacked).compile().as_text())
 
 
 def train_program(model, tokens, l1_coeff: float, mesh: jax.sharding.Mesh | None = None):

@@ -327,6 +327,22 @@ def test_sampling_chunks_and_keys():
     assert np.concatenate([c[1] for c in chunks]).shape == (NEW, model.cfg.n_layers)
 
 
+def test_generate_with_stacked_parameters(monkeypatch):
+    """A stack made once (``stack_for_inference``) gives the tokens of a prefill that stacks
+    per call; the prompts here are short, so the scan is forced for every call."""
+    monkeypatch.setattr(model_lib.layer_scan, "SCAN_MIN_TOKENS", 1)
+    model = model_lib.build("tiny", seed=5, implementation="xla")
+    stacked = model.stack_for_inference()
+    key = jax.random.key(3)
+    plain = np.asarray(model_lib.generate(model, PROMPTS, max_new_tokens=NEW, key=key,
+                                          **SAMPLING))
+    np.testing.assert_array_equal(np.asarray(model_lib.generate(
+        model, PROMPTS, max_new_tokens=NEW, key=key, stacked=stacked, **SAMPLING)), plain)
+    chunks = model_lib.generate_chunks(model, PROMPTS, max_new_tokens=NEW, chunk_size=4,
+                                       key=key, stacked=stacked, **SAMPLING)
+    np.testing.assert_array_equal(np.concatenate([c[0] for c in chunks], axis=1), plain)
+
+
 def test_sample_logits_filters():
     """Empirical frequencies over 4000 rows: temperature, top-k and top-p keep the right sets."""
     probs = np.asarray([0.5, 0.25, 0.15, 0.1])

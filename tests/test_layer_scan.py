@@ -38,9 +38,10 @@ def scan_every_call(monkeypatch):
 
 
 def loop_features(model: model_lib.Transformer, tokens: jax.Array, *,
-                  inference: bool = False) -> jax.Array:
+                  inference: bool = False, stacked=None) -> jax.Array:
     """``Transformer.features`` as a Python loop over the blocks (the old form); it takes
-    ``inference`` as ``features`` does, and ignores it: the loop never scans."""
+    ``inference`` and ``stacked`` as ``features`` does, and ignores them: the loop never
+    scans."""
     x = model._embed(tokens)
     cos, sin = model._rope()
     run = nnx.remat(lambda b, h: b(h, cos, sin), policy=model_lib.layer_scan.REMAT_POLICY) \
@@ -180,3 +181,57 @@ def test_scan_equals_the_loop_bitwise_in_bf16_without_excess_precision():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "EQUAL" in out.stdout
+
+
+@pytest.mark.parametrize("implementation", [slow("pallas"), "xla"])
+def test_stacked_for_inference_equals_stacking_per_call(implementation):
+    model = model_lib.build("tiny", implementation=implementation, seed=5, gate_bias=True,
+                            n_layers=3)
+    tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, 256)
+    stacked = model.stack_for_inference()
+    assert all(a.shape[0] == 3 for a in jax.tree.leaves(stacked))
+    assert {a.dtype for a in jax.tree.leaves(stacked) if a.ndim >= 3} == {jnp.dtype(jnp.bfloat16)}
+    run = nnx.jit(lambda m, t, s: m(t, inference=True, stacked=s))
+    logits = run(model, tokens, None)
+    assert np.all(np.isfinite(logits)) and float(jnp.std(logits)) > 0
+    np.testing.assert_array_equal(run(model, tokens, stacked), logits)
+    lengths = jnp.array([16, 9])
+    prefill = nnx.jit(lambda m, t, s: m.prefill(t, lengths, m.init_cache(2, 20), stacked=s))
+    (last, cache), (last_ref, cache_ref) = prefill(model, tokens, stacked), \
+        prefill(model, tokens, None)
+    np.testing.assert_array_equal(last, last_ref)
+    for k, k_ref in zip(cache.k + cache.v, cache_ref.k + cache_ref.v):
+        np.testing.assert_array_equal(k, k_ref)
+
+
+def test_the_scan_reads_the_stack_it_is_given():
+    """A stack made before the parameters change still computes with the old parameters: the
+    scan reads it and not the blocks (which is why it must be made again after training)."""
+    model = model_lib.build("tiny", implementation="xla", seed=6, n_layers=2)
+    tokens = jax.random.randint(jax.random.key(4), (2, 8), 0, 256)
+    run = nnx.jit(lambda m, t, s: m(t, inference=True, stacked=s))
+    before = run(model, tokens, None)
+    stacked = model.stack_for_inference()
+    model.blocks[1].ffn.w_down[...] = 2 * model.blocks[1].ffn.w_down[...]
+    after = run(model, tokens, None)
+    assert float(jnp.max(jnp.abs(after - before))) > 1e-3
+    np.testing.assert_array_equal(run(model, tokens, stacked), before)
+    np.testing.assert_array_equal(run(model, tokens, model.stack_for_inference()), after)
+
+
+def test_stacked_parameters_are_checked():
+    model = model_lib.build("tiny", implementation="xla", seed=7, n_layers=2)
+    tokens = jax.random.randint(jax.random.key(5), (1, 8), 0, 256)
+    stacked = model.stack_for_inference()
+    with pytest.raises(ValueError, match="inference=True"):
+        model(tokens, stacked=stacked)
+    with pytest.raises(ValueError, match="inference=True"):
+        jax.grad(lambda s: model(tokens, stacked=s).sum())(stacked)
+    other = model_lib.build("tiny", implementation="xla", seed=7, n_layers=3)
+    with pytest.raises(ValueError, match=r"expected bfloat16\[2,"):
+        model(tokens, inference=True, stacked=other.stack_for_inference())
+    as_stored = jax.tree.map(lambda a: a.astype(jnp.float32), stacked)
+    with pytest.raises(ValueError, match="float32.*expected bfloat16"):
+        model(tokens, inference=True, stacked=as_stored)
+    with pytest.raises(ValueError, match="does not hold these blocks"):
+        model(tokens, inference=True, stacked={"w": stacked})

@@ -138,9 +138,12 @@ def time_back_to_back(step: Callable, runs: int, steps: int = BACK_TO_BACK_STEPS
     return {**cli.summarize_ms(samples), "runs": runs, "steps_per_sample": steps}
 
 
-def last_logits(model: model_lib.Transformer, tokens: jax.Array) -> jax.Array:
-    """The last position's logits [B, V] float32 of tokens [B, T]: what generation needs."""
-    return model.logits(model.features(tokens, inference=True)[:, -1])
+def last_logits(model: model_lib.Transformer, tokens: jax.Array,
+                stacked: nnx.State | None = None) -> jax.Array:
+    """The last position's logits [B, V] float32 of tokens [B, T]: what generation needs.
+    ``stacked``: ``model.stack_for_inference()``, made once (a server's way: both models then
+    read their weights where they lie instead of stacking them per call)."""
+    return model.logits(model.features(tokens, inference=True, stacked=stacked)[:, -1])
 
 
 def timing_optimizer() -> optax.GradientTransformation:

@@ -102,10 +102,10 @@ def _with_layer_nnz(fn, n_layers: int, stats: bool):
     """``fn`` returning also the layers' nnz_mean [n_layers] float32: recorded under
     ``nnx.capture`` when ``stats``, else NaN and nothing captured (under jit the FFN layers'
     statistics are then dead code and XLA drops them)."""
-    def run(*args):
+    def run(*args, **kwargs):
         if not stats:
-            return fn(*args), jnp.full((n_layers,), jnp.nan, _F32)
-        out, inter = nnx.capture(fn, nnx.Intermediate)(*args)
+            return fn(*args, **kwargs), jnp.full((n_layers,), jnp.nan, _F32)
+        out, inter = nnx.capture(fn, nnx.Intermediate)(*args, **kwargs)
         return out, jnp.stack([jnp.asarray(s.nnz_mean, _F32)
                                for s in layer_stats(inter, n_layers)])
     return run
@@ -133,15 +133,15 @@ def _with_dense_ffn(model: Transformer) -> Transformer:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "stats"))
 def generation_start(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
-                     cache_len: int, stats: bool = True):
+                     cache_len: int, stats: bool = True, stacked: nnx.State | None = None):
     """``generate``'s first stage (jitted): prefill and the first token: (DecodeState, token
     [B], nnz_mean [n_layers]; NaN without ``stats``, unless the decode loop may run dense:
-    ``decode_runs_dense`` reads them)."""
+    ``decode_runs_dense`` reads them). ``stacked``: as in ``Transformer.prefill``."""
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(prompts.shape[0], cache_len)
     stats = stats or _may_run_dense(model.cfg, prompts.shape[0])
     prefill = _with_layer_nnz(model.prefill, model.cfg.n_layers, stats)
-    (logits, cache), nnz = prefill(prompts, lengths, cache)
+    (logits, cache), nnz = prefill(prompts, lengths, cache, stacked=stacked)
     token = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
     decode_state = DecodeState(cache, token, stop[token], jnp.ones((), jnp.int32), key, stop)
     return decode_state, token, nnz
@@ -190,11 +190,11 @@ def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "steps",
                                              "stats"))
-def _generate(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
+def _generate(graphdef, state, prompts, lengths, key, stop, stacked, *, sampling: Sampling,
               cache_len: int, steps: int, stats: bool):
     decode_state, first, nnz0 = generation_start(graphdef, state, prompts, lengths, key, stop,
                                                  sampling=sampling, cache_len=cache_len,
-                                                 stats=stats)
+                                                 stats=stats, stacked=stacked)
     if steps == 0:
         return first[:, None], nnz0[None]
     run = lambda dense_ffn: generation_steps(graphdef, state, decode_state, steps,
@@ -286,7 +286,8 @@ def _prepare(model: Transformer, prompts, prompt_lengths, max_new_tokens, sampli
 
 def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, key: jax.Array | None = None,
-             stop_tokens=(), prompt_lengths=None, return_stats: bool = False):
+             stop_tokens=(), prompt_lengths=None, return_stats: bool = False,
+             stacked: nnx.State | None = None):
     """Generates ``max_new_tokens`` tokens after each prompt, in one jitted program.
 
     Prefill runs the prompts through the model's attention path and fills a KV cache of
@@ -308,6 +309,9 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: f
         ``PAD_TOKEN`` = -1).
       prompt_lengths: [B] int in [1, T], for a padded array; default T for every row.
       return_stats: also return the FFN statistics (without it none is computed).
+      stacked: ``model.stack_for_inference()``, made once for many calls: a prefill of at
+        least ``layer_scan.SCAN_MIN_TOKENS`` (4096) prompt tokens then reads it instead of
+        stacking the parameters (``Transformer.features``).
     Returns:
       tokens [B, max_new_tokens] int32; with ``return_stats``, ``(tokens, stats)`` where
       ``stats["nnz_mean"]`` [max_new_tokens, n_layers] float32 is the mean active FFN units
@@ -322,7 +326,8 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: f
     prompts, lengths, key, stop, cache_len = _prepare(model, prompts, prompt_lengths,
                                                       max_new_tokens, sampling, key, stop_tokens)
     graphdef, state = nnx.split(model)
-    tokens, nnz = _generate(graphdef, state, prompts, lengths, key, stop, sampling=sampling,
+    tokens, nnz = _generate(graphdef, state, prompts, lengths, key, stop, stacked,
+                            sampling=sampling,
                             cache_len=cache_len, steps=int(max_new_tokens) - 1,
                             stats=bool(return_stats))
     return (tokens, {"nnz_mean": nnz}) if return_stats else tokens
@@ -331,12 +336,13 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: f
 def generate_chunks(model: Transformer, prompts, *, max_new_tokens: int, chunk_size: int = 16,
                     temperature: float = 0.0, top_k: int | None = None,
                     top_p: float | None = None, key: jax.Array | None = None, stop_tokens=(),
-                    prompt_lengths=None):
+                    prompt_lengths=None, stacked: nnx.State | None = None):
     """``generate`` as a stream: yields ``(tokens [B, n] int32, nnz_mean [n, n_layers])``
     numpy arrays, first the prefill's token (n = 1), then one jitted ``lax.while_loop`` of up
     to ``chunk_size`` decode steps per yield, until max_new_tokens or every sequence stopped.
     The concatenated tokens equal ``generate``'s with the same arguments (PAD_TOKEN after a
-    stop; the stream ends early when all sequences stopped). One compile serves every chunk."""
+    stop; the stream ends early when all sequences stopped). One compile serves every chunk.
+    ``stacked``: as in ``generate``."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -344,7 +350,8 @@ def generate_chunks(model: Transformer, prompts, *, max_new_tokens: int, chunk_s
                                                       max_new_tokens, sampling, key, stop_tokens)
     graphdef, state = nnx.split(model)
     decode_state, token, nnz = generation_start(graphdef, state, prompts, lengths, key, stop,
-                                                sampling=sampling, cache_len=cache_len)
+                                                sampling=sampling, cache_len=cache_len,
+                                                stacked=stacked)
     yield np.asarray(token)[:, None], np.asarray(nnz)[None]
     dense_ffn = bool(decode_runs_dense(model.cfg, nnz, prompts.shape[0]))
     produced = 1
