@@ -17,19 +17,19 @@ units. ``--pattern heavy``: Zipf-like p_j (a few units fire often), the same mea
 calibrated statistics (mean / p99 / max active units per token, heavy rows) are reported.
 
 Per preset, one subprocess calibrates and saves the biases, then one subprocess per
-implementation measures (each its own process, so ``memory_stats()``' peak is its own):
-prefill (last-position logits of B x T tokens, both models reading their blocks' parameters
-stacked once before the calls, ``Transformer.stack_for_inference``), decode-sized forwards (n sequences of one token,
-no KV cache: the FFN and projections of a decode step, not its attention over a cache), a
-training step (loss with the L1 term, backward, AdamW) under each ``--remat`` setting (on: each
-block recomputed in the backward, the FFN outputs and the sparse lists kept; off: nothing
-recomputed; a setting that does not fit is reported as ``oom``), the FFN and attention
-sublayers alone (for the time breakdown), peak device memory and energy per token (the
-driver's energy counter over at least ``ENERGY_WINDOW_S`` of repeated calls after the timed
-ones, with NVML's board power, SM clock and power-limit reasons sampled every few ms beside
-it). Median over ``--runs`` synchronised repetitions after two warm-up calls; prefill and
-training also back to back (``back_to_back_ms``: ``model_bench.time_back_to_back``, calls
-issued as a serving or training loop issues them, one wait per few calls).
+implementation measures (each its own process, so ``memory_stats()``' peak is its own): prefill
+(last-position logits of B x T tokens, both models reading their blocks' parameters stacked once
+before the calls, ``Transformer.stack_for_inference``), decode-sized forwards (n sequences of
+one token, no KV cache: the FFN and projections of a decode step, not its attention over a
+cache), a training step (loss with the L1 term, backward, AdamW) under each ``--remat`` setting
+(on: each block recomputed in the backward, the FFN outputs and the sparse lists kept; off:
+nothing recomputed; a setting that does not fit is reported as ``oom``), the FFN and attention
+sublayers alone (for the time breakdown), peak device memory and energy per token (the driver's
+energy counter over at least ``ENERGY_WINDOW_S`` of repeated calls after the timed ones, with
+NVML's board power, SM clock and power-limit reasons sampled every few ms beside it). Median
+over ``--runs`` synchronised repetitions after two warm-up calls; prefill and training also back
+to back (``back_to_back_ms``: ``model_bench.time_back_to_back``, calls issued as a serving or
+training loop issues them, one wait per few calls).
 One JSON line per measurement goes to ``--out``; a table of xla / pallas ratios is printed last,
 training compared per setting and fastest against fastest (the honest baseline: the dense
 model trained as fast as it fits).

@@ -327,9 +327,8 @@ def generate(model: Transformer, prompts, *, max_new_tokens: int, temperature: f
                                                       max_new_tokens, sampling, key, stop_tokens)
     graphdef, state = nnx.split(model)
     tokens, nnz = _generate(graphdef, state, prompts, lengths, key, stop, stacked,
-                            sampling=sampling,
-                            cache_len=cache_len, steps=int(max_new_tokens) - 1,
-                            stats=bool(return_stats))
+                            sampling=sampling, cache_len=cache_len,
+                            steps=int(max_new_tokens) - 1, stats=bool(return_stats))
     return (tokens, {"nnz_mean": nnz}) if return_stats else tokens
 
 

@@ -63,7 +63,7 @@ def _stack_params(blocks: Sequence[Block], cfg: ModelConfig, inference: bool) ->
     return jax.tree_util.tree_map_with_path(stack, *[nnx.state(b, nnx.Param) for b in blocks])
 
 
-def _stacked_dtype(path, leaf: jax.Array, cfg: ModelConfig, keep_sparse_ffn: bool):
+def _stacked_dtype(path, leaf: jax.Array, cfg: ModelConfig, keep_sparse_ffn: bool) -> jnp.dtype:
     """The dtype ``leaf`` is stacked in: the compute dtype for a floating matrix (except the
     sparse FFN's, with ``keep_sparse_ffn``), else its own."""
     keep = keep_sparse_ffn and any(getattr(key, "key", None) == "ffn" for key in path)
