@@ -11,6 +11,7 @@ and asks for bitwise equality.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -235,3 +236,28 @@ def test_stacked_parameters_are_checked():
         model(tokens, inference=True, stacked=as_stored)
     with pytest.raises(ValueError, match="does not hold these blocks"):
         model(tokens, inference=True, stacked={"w": stacked})
+
+
+def test_a_prefill_computes_no_statistics_unless_captured():
+    """Under the scan, a prefill outside ``nnx.capture`` compiles without the FFN statistics
+    (nnz mean, p99, max, L1: dead code, dropped), and one under a capture keeps them."""
+    model = model_lib.build("tiny", implementation="reference", seed=8, gate_bias=True,
+                            n_layers=2)
+    tokens = jax.random.randint(jax.random.key(6), (2, 16), 0, 256)
+    graphdef, state = nnx.split(model)
+
+    def plain(state, tokens):
+        return nnx.merge(graphdef, state).features(tokens, inference=True)
+
+    def captured(state, tokens):
+        return nnx.capture(lambda m, t: m.features(t, inference=True),
+                           nnx.Intermediate)(nnx.merge(graphdef, state), tokens)
+
+    hlo = {name: jax.jit(fn).lower(state, tokens).compile().as_text()
+           for name, fn in (("plain", plain), ("captured", captured))}
+    reductions = {name: len(re.findall(r" reduce\(", text)) for name, text in hlo.items()}
+    assert 0 < reductions["plain"] < reductions["captured"], reductions
+    features, inter = jax.jit(captured)(state, tokens)
+    stats = model_lib.layer_stats(inter, 2)
+    assert all(float(s.nnz_mean) > 0 for s in stats)
+    np.testing.assert_array_equal(jax.jit(plain)(state, tokens), features)
