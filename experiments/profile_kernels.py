@@ -137,23 +137,6 @@ def gpu_events(trace_dir: str) -> tuple[dict[str, list[tuple[str, float, float]]
     return events, lines
 
 
-def busy_ns(events: list[tuple[str, float, float]]) -> float:
-    """Length of the union of the events' intervals."""
-    total, end = 0.0, -np.inf
-    for _, start, duration in sorted(events, key=lambda e: e[1]):
-        stop = start + duration
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
-def collective_alone_ns(events: list[tuple[str, float, float]]) -> float:
-    """Time some collective kernel (``kind_of`` "collective": NCCL) runs on one GPU while no
-    other kernel does: collectives the program failed to overlap with work."""
-    return busy_ns(events) - busy_ns([e for e in events if kind_of(e[0]) != "collective"])
-
-
 def _merged(events: list[tuple[str, float, float]]) -> list[tuple[float, float]]:
     """The union of the events' intervals as sorted, disjoint (start, stop) pairs."""
     merged: list[list[float]] = []
@@ -163,6 +146,17 @@ def _merged(events: list[tuple[str, float, float]]) -> list[tuple[float, float]]
         else:
             merged.append([start, start + duration])
     return [(a, b) for a, b in merged]
+
+
+def busy_ns(events: list[tuple[str, float, float]]) -> float:
+    """Length of the union of the events' intervals."""
+    return sum((stop - start for start, stop in _merged(events)), 0.0)
+
+
+def collective_alone_ns(events: list[tuple[str, float, float]]) -> float:
+    """Time some collective kernel (``kind_of`` "collective": NCCL) runs on one GPU while no
+    other kernel does: collectives the program failed to overlap with work."""
+    return busy_ns(events) - busy_ns([e for e in events if kind_of(e[0]) != "collective"])
 
 
 def alone_ns_by_collective(events: list[tuple[str, float, float]]) -> dict[str, float]:

@@ -76,11 +76,9 @@ class Transformer(nnx.Module):
         """The blocks' parameters stacked along a leading layer axis, every floating matrix
         in the compute dtype: what a long inference call (``features``, ``__call__`` or
         ``prefill`` of at least ``layer_scan.SCAN_MIN_TOKENS`` tokens) would otherwise stack
-        on every call. Make it once and pass it as ``stacked``; it is a copy (1.5b: 3 GB in
-        bf16), so make it again after the parameters change.
-
-        H100, 8 x 2048-token prefill: 1.5b 100.1 -> 94.2 ms dense, 86.2 -> 79.6 ms sparse
-        (the sparse / dense ratio 1.16x -> 1.18x); 0.5b 28.4 -> 28.2 and 24.7 -> 24.3 ms."""
+        on every call (its cost: ``layer_scan``'s module docstring). Make it once and pass it
+        as ``stacked``; it is a copy (1.5b: 3 GB in bf16), so make it again after the
+        parameters change."""
         return stack_for_inference(self.blocks, self.cfg)
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
