@@ -76,14 +76,17 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def check_up_inputs(x, w_up_t, m: int, f: int, d: int, gated: bool) -> None:
-    """The gated form's x [M, D] and w_up_t [F, D] (both given), or the non-gated form's (both
-    None): raises ValueError naming what is wrong."""
+def check_up_inputs(x, w_up_t, m: int, f: int, d: int, gated: bool,
+                    wide_x: bool = False) -> None:
+    """The gated form's x [M, D] (with ``wide_x``, [M, D'] for any D' >= D) and w_up_t [F, D]
+    (both given), or the non-gated form's (both None): raises ValueError naming what is
+    wrong."""
     if gated:
         if x is None or w_up_t is None:
             raise ValueError("the gated form needs x and w_up_t")
-        if x.shape != (m, d):
-            raise ValueError(f"x has shape {x.shape}, expected ({m}, {d})")
+        if x.ndim != 2 or x.shape[0] != m or (x.shape[1] < d if wide_x else x.shape[1] != d):
+            wanted = f"({m}, D' >= {d})" if wide_x else f"({m}, {d})"
+            raise ValueError(f"x has shape {x.shape}, expected {wanted}")
         if w_up_t.shape != (f, d):
             raise ValueError(f"w_up_t has shape {w_up_t.shape}, expected ({f}, {d})")
     elif x is not None or w_up_t is not None:

@@ -36,7 +36,8 @@ def _row_up_down_kernel(*refs, block_d: int, num_chunks: int, num_slots: int, up
                         gated: bool):
     """One program: row ``program_id(0)``, all D columns.
 
-    Refs (whole arrays): [x [M, D], w_up_t [F, D]] (gated only), w_down [F, D],
+    Refs (whole arrays): [x [M, D'], w_up_t [F, D]] (gated only; x's columns past D are not
+    read), w_down [F, D],
     gate_values [M, K], columns [M, K] int32, row_nnz [M] int32; outputs y [M, D], l1 [M]
     float32 and, gated only, up [M, up_width] float32.
     """
@@ -124,7 +125,7 @@ def _check_args(x, w_up_t, w_down, gate_values, columns, row_nnz, gated: bool):
     if columns.dtype != jnp.int32 or row_nnz.dtype != jnp.int32:
         raise ValueError(f"columns and row_nnz must be int32, got {columns.dtype} and "
                          f"{row_nnz.dtype}")
-    check_up_inputs(x, w_up_t, m, f, d, gated)
+    check_up_inputs(x, w_up_t, m, f, d, gated, wide_x=True)
     return m, k, d
 
 
@@ -143,7 +144,9 @@ def row_up_down(
     """Gated (x and w_up_t given) or non-gated (both None) up/down projection on row lists.
 
     Args:
-      x: [M, D] or None. w_up_t: [F, D] or None. w_down: [F, D].
+      x: [M, D'] (D' >= D: the columns past D are not read, so x may be the gate GEMM's
+        operand with the folded bias's column, ``twell_jax.dense.with_bias_column``) or None.
+        w_up_t: [F, D] or None. w_down: [F, D].
       gate_values: [M, K] (any float dtype): g, or the hidden values h when non-gated.
       columns: [M, K] int32 in [0, F) for valid entries.
       row_nnz: [M] int32; entries k < min(row_nnz[m], K) are used, the rest never read.
@@ -200,6 +203,8 @@ def row_up_down_reference(
     m, k, d = _check_args(x, w_up_t, w_down, gate_values, columns, row_nnz, gated)
     out_dtype = jnp.dtype(out_dtype or (x.dtype if gated else w_down.dtype))
     nnz = jnp.clip(row_nnz, 0, k)
+    if gated:
+        x = x[:, :d]
 
     def step(kk, carry):
         y, up, l1 = carry

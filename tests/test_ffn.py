@@ -467,6 +467,48 @@ def test_pallas_threshold_row_or_bias_compute_the_same_function():
     assert_close(y_bias, expected, jnp.bfloat16, what="with b_gate")
 
 
+@pytest.mark.parametrize("route", ["backup", "dense"])
+def test_pallas_hands_x_with_the_bias_column_to_pack_and_up_down(monkeypatch, route):
+    """With a gate bias the pallas backend gives its pack and its up/down one array, x with the
+    folded bias's column (``Backend.widen_input``), so x's producer writes it once. Output,
+    statistics and gradients equal those of x handed over as it is, bit for bit: on
+    heavy-tailed rows (the backup takes its rows from the wide array) and on a batch sent
+    dense (which reads x's columns back)."""
+    from twell_jax.backends import pallas as pallas_backend
+
+    x, *weights = make_ffn_inputs(13, M, D, F, "heavy_tailed", jnp.bfloat16)
+    w_gate, w_up, w_down = weights
+    weights, bias = (w_gate.at[-1].set(0), w_up, w_down), w_gate[-1].astype(jnp.float32)
+    config = CONFIG if route == "backup" else dataclasses.replace(
+        CONFIG, dense_fallback_density=0.0)
+    dy = jnp.asarray(np.random.default_rng(2).standard_normal((M, D)), jnp.bfloat16)
+
+    def forward(x, w, b):
+        return tj.gated_mlp(x, *w, b_gate=b, implementation="pallas", config=config,
+                            return_stats=True)
+
+    def loss(x, w, b):
+        y, stats = forward(x, w, b)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)) + 0.05 * stats.l1
+
+    def run(backend):
+        jax.clear_caches()  # inner jitted functions keep traces made under another backend
+        monkeypatch.setattr(pallas_backend, "BACKEND", backend)
+        barriers = str(jax.make_jaxpr(forward)(x, weights, bias)).count("optimization_barrier")
+        return (barriers, jax.jit(forward)(x, weights, bias),
+                jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, weights, bias))
+
+    widened = run(pallas_backend.BACKEND)
+    as_is = run(dataclasses.replace(pallas_backend.BACKEND, widen_input=None))
+    assert (widened[0], as_is[0]) == (1, 0)
+    y, stats = widened[1]
+    assert bool(stats.dense_fallback) == (route == "dense")
+    assert int(stats.heavy_rows) > 0
+    assert_close(y, ffn_float64(x, w_gate, w_up, w_down)[0], jnp.bfloat16)  # x[:, -1] = 1
+    for got, want in zip(jax.tree.leaves(widened[1:]), jax.tree.leaves(as_is[1:])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("m,nnz,heavy_fraction,dense", [
     (16384, 28, 0.0, False), (16384, 60, 0.0, True),  # light rows: gathers against GEMMs
     (16384, 28, 0.2, False),  # a heavy tail in the backup: still sparse

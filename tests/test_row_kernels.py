@@ -223,6 +223,27 @@ def test_row_up_down_matches_numpy_and_reference(m, d, f, k, config, gated, dtyp
         assert_close(got_up, ref_up, jnp.float32, kind="kernel", what="up vs reference")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_up_down_reads_the_first_d_columns_of_a_wider_x(dtype):
+    """x wider than D (the gate GEMM's operand with the folded bias's column) gives the
+    outputs of its first D columns, bit for bit; the extra columns (here NaN and huge) are
+    never read."""
+    rng = np.random.default_rng(seed_of("row_up_down_wide_x", str(dtype)))
+    x, w_up_t, w_down, gate, columns, row_nnz = make_lists(9, 128, 96, 6, dtype, rng,
+                                                           garbage=True)
+    extra = jnp.full((9, 64), jnp.nan, dtype).at[:, 0].set(1e30)
+    wide = jnp.concatenate([x, extra], axis=1)
+    got = row_up_down(wide, w_up_t, w_down, gate, columns, row_nnz)
+    want = row_up_down(x, w_up_t, w_down, gate, columns, row_nnz)
+    assert np.all(np.isfinite(np.asarray(got[0], np.float32)))
+    assert np.any(np.asarray(got[0], np.float32) != 0)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    ref = row_up_down_reference(wide, w_up_t, w_down, gate, columns,
+                                jnp.minimum(row_nnz, 6))
+    assert_close(got[0], ref[0], dtype, kind="kernel", what="y vs reference, wide x")
+
+
 def test_row_up_down_out_dtype_and_nan_propagation():
     rng = np.random.default_rng(3)
     x, w_up_t, w_down, gate, columns, row_nnz = make_lists(4, 64, 32, 4, jnp.float32, rng,

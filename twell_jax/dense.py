@@ -56,10 +56,27 @@ def _dot_unit_rows_bwd(w_axis, out_dtype, residuals, g):
 _dot_unit_rows.defvjp(_dot_unit_rows_fwd, _dot_unit_rows_bwd)
 
 
+def folds_bias(m: int, d: int, bias: jax.Array | None) -> bool:
+    """Whether ``gate_pre_activation`` folds the bias into its GEMM as a contraction column
+    (a bias, and at least D / 2 rows), so that its operand is ``with_bias_column(x)``."""
+    return bias is not None and 2 * m >= d
+
+
+def with_bias_column(x: jax.Array) -> jax.Array:
+    """x [M, D] -> [M, D + P]: x, a column of ones, zeros up to a multiple of 64 columns
+    (1 <= P <= 64): the GEMM operand of the folded gate bias (``gate_pre_activation``)."""
+    m, d = x.shape
+    ones = jnp.zeros((m, _K_MULTIPLE - d % _K_MULTIPLE), x.dtype).at[:, 0].set(1)
+    return jnp.concatenate([x, ones], axis=1)
+
+
 def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
-                        kernel: bool | None = None) -> jax.Array:
+                        kernel: bool | None = None,
+                        x_wide: jax.Array | None = None) -> jax.Array:
     """``x @ w.T + bias`` [M, F] in x.dtype (w [F, D], one row per unit), float32
-    accumulation inside the GEMM.
+    accumulation inside the GEMM. ``x_wide``: ``with_bias_column(x)`` when the caller made it
+    (where ``folds_bias``), read in place of x; a caller that also hands it to another
+    consumer lets x's producer write it in one pass (the sparse FFN's up/down reads it).
 
     The GEMM emits x.dtype directly, as a plain Flax layer does (half the bytes of a float32
     output). A bias is folded into the GEMM as one more contraction column (``[x, 1] @ [w,
@@ -78,16 +95,15 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
     if bias is None:
         return dot_rows(x, w)
     m, d = x.shape
-    if 2 * m < d:
+    if not folds_bias(m, d, bias):
         if _few_rows_on_gemv(m) if kernel is None else kernel:
             return _biased_gemv(x, w, bias)
         pre = dot_rows(x, w, jnp.float32) + bias.astype(jnp.float32)
         return pre.astype(x.dtype)
-    pad = _K_MULTIPLE - d % _K_MULTIPLE
-    ones = jnp.zeros((m, pad), x.dtype).at[:, 0].set(1)
+    x_wide = with_bias_column(x) if x_wide is None else x_wide
+    pad = x_wide.shape[1] - d
     bias_columns = jnp.zeros((w.shape[0], pad), w.dtype).at[:, 0].set(bias.astype(w.dtype))
-    return dot_rows(jnp.concatenate([x, ones], axis=1),
-                    jnp.concatenate([w, bias_columns], axis=1))
+    return dot_rows(x_wide, jnp.concatenate([w, bias_columns], axis=1))
 
 
 def _few_rows_on_gemv(m: int) -> bool:

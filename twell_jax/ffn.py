@@ -314,10 +314,11 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, gate: RowLists, p
     """Light rows on the lists, the backup's rows ``index`` [size] (None: no heavy row; see
     ``_backup_rows``) through the dense backup: (y [M, D] x.dtype, l1 sum [] f32, up_values
     [M, K] f32 or [M, 0], ``counted`` as given: the statistics' row totals and heavy rows).
+    x [M, D']: ``Backend.widen_input``'s (its first D columns are x).
     ``pre`` [M, F]: the backend's gate pre-activation, or None. The backup takes its rows of ``pre``
     rather than redo their gate GEMM, as the all-dense branch does (with the sizes of
     ``_backup_sizes``: heavy-tailed forward 1.60 -> 1.43 ms on the H100)."""
-    m = x.shape[0]
+    m, d = x.shape[0], weights[-1].shape[1]
     if gated:
         y, up_values, l1_rows = backend.up_down(x, weights[1], weights[-1], gate)
     else:
@@ -327,7 +328,7 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, gate: RowLists, p
     y = y.astype(x.dtype)
     if index is None:
         return y, l1_sum, up_values, counted
-    rows = take_rows(x, index)
+    rows = take_rows(x, index)[:, :d]
     if pre is None:
         y_rows, l1_rows, _ = _dense_rows(rows, weights, bias, gated)
     else:
@@ -340,7 +341,9 @@ def _sparse_forward(backend: Backend, x, weights, bias, gated, gate: RowLists, p
 def _dense_forward(x, weights, bias, gated, pre, up_slots: int, counted, config=None):
     """The whole batch dense: (y [M, D] x.dtype, l1 sum [] f32, zero up_values [M, up_slots],
     (row totals [M], heavy rows [])): the ``counted`` ones, or with ``config`` (a batch the
-    backend did not list: ``skipped``) counted here from ``pre``."""
+    backend did not list: ``skipped``) counted here from ``pre``. x [M, D']: its first D
+    columns are x (``Backend.widen_input``)."""
+    x = x[:, :weights[-1].shape[1]]
     if pre is None:
         y, l1_rows, _ = _dense_rows(x, weights, bias, gated)
     else:  # the backend already paid for the gate GEMM: reuse its output
@@ -376,9 +379,12 @@ def _twell_forward(x, params, bias, gated, implementation, config, differentiate
     if _static_dense(backend, m, x.shape[1], f, x.dtype, config, differentiated=True):
         return _dense_forward_for_grad(x, params, bias, gated, config)
     weights = _compute_weights(x, params)
+    # What the pack and the up/down read in place of x: one array, which x's producer can
+    # write in one pass (``Backend.widen_input``). The branches below take x's columns back.
+    x_in = x if backend.widen_input is None else backend.widen_input(x, bias)
     # ``differentiated``: the backward runs too (the custom_vjp's forward), which changes
     # what hot units save (``CostModel.hot_units_pay``).
-    lists, counts, pre, skipped, hot = backend.pack(x, weights[0], bias, config,
+    lists, counts, pre, skipped, hot = backend.pack(x_in, weights[0], bias, config,
                                                     differentiated=differentiated)
     if skipped is not None:  # nothing listed: the counts are unspecified
         counts = jnp.where(skipped, 0, counts)
@@ -399,9 +405,12 @@ def _twell_forward(x, params, bias, gated, implementation, config, differentiate
     gate = _light_lists(lists, backup | dense, f, config)
 
     counted = (row_nnz_all, num_heavy)
-    sparse = functools.partial(_sparse_forward, backend, x, weights, bias, gated, gate, pre,
+    sparse = functools.partial(_sparse_forward, backend, x_in, weights, bias, gated, gate, pre,
                                counted)
-    dense_branch = functools.partial(_dense_forward, x, weights, bias, gated, pre,
+    # Differentiated, x is saved for the backward anyway: the dense branch reads it rather
+    # than copy its columns out of ``x_in``.
+    dense_branch = functools.partial(_dense_forward, x if differentiated else x_in, weights,
+                                     bias, gated, pre,
                                      gate.values.shape[1] if gated else 0, counted)
     branches = [*_backup_branches(sparse, backup, sizes), dense_branch]
     if skipped is not None:

@@ -3,6 +3,12 @@
 A sparse backend (``sparse=True``) fills the building blocks below. Every weight is [F, D], one
 row per unit (``twell_jax.layout``).
 
+- ``widen_input(x [M, D], bias [F] or None)`` (optional) -> ``x_in`` [M, D'], D' >= D, whose
+  first D columns are x: what ``pack`` and ``up_down`` are given in place of x (``ffn.py``
+  takes x's columns back for its own dense products). The ``"pallas"`` backend appends the
+  folded gate bias's column (``dense.with_bias_column``), which its gate GEMM contracts and
+  its up/down kernel skips: one array both read, so x's producer (a model's RMSNorm) writes it
+  in one pass instead of x and then a copy of it.
 - ``pack(x [M, D], w [F, D], bias [F] or None, config, differentiated=True)`` -> ``(lists:
   RowLists, counts [M, n_tiles] int32, pre, skipped, hot)``: the positive entries of
   ``relu(x @ w.T + bias)`` listed per row in column order (``lists.values`` [M, K] x.dtype, ``lists.columns`` [M, K] int32,
@@ -74,6 +80,7 @@ class Backend:
 
     sparse: bool
     cost_model_routes: bool = False
+    widen_input: Callable | None = None
     pack: Callable | None = None
     up_down: Callable | None = None
     row_grads: Callable | None = None
