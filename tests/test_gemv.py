@@ -227,3 +227,27 @@ def test_bad_inputs():
                             ({"block_f": 8}, "dot needs")]:
         with pytest.raises(ValueError, match=message):
             GemvConfig(**kwargs)
+
+
+@pytest.mark.parametrize("d", [200, 256])
+def test_gate_pre_activation_folds_the_bias_exactly_and_without_a_scatter(d):
+    """At least D / 2 rows: the bias is one more contraction column, ``[x, 1, 0..] @ [w, b,
+    0..].T`` (D padded to a multiple of 64): equal to float64 within one rounding, and the
+    padding is a pad, not a scatter (which compiled to two launches of its own a call)."""
+    rng = np.random.default_rng(seed_of("gate_fold", d))
+    m, f = 128, 96
+    x, w_flax, b = make_inputs(m, d, f, jnp.bfloat16, "threshold", rng)
+    w = jnp.asarray(w_flax.T)
+    b = b.astype(jnp.float32)
+    assert dense.folds_bias(m, d, b) and not dense.folds_bias(m, d, None)
+    wide = dense.with_bias_column(x)
+    assert wide.shape == (m, d + 64 - d % 64)
+    np.testing.assert_array_equal(np.asarray(wide[:, :d]), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(wide[:, d:], np.float32),
+                                  np.eye(1, wide.shape[1] - d)[[0] * m])
+    pre = dense.gate_pre_activation(x, w, b)
+    assert_close(pre, numpy_gate(x, w_flax, b), jnp.bfloat16, kind="ffn", what="fold vs float64")
+    np.testing.assert_array_equal(
+        np.asarray(dense.gate_pre_activation(x, w, b, x_wide=wide)), np.asarray(pre))
+    jaxpr = str(jax.make_jaxpr(dense.gate_pre_activation)(x, w, b))
+    assert "scatter" not in jaxpr and "dot_general" in jaxpr and "pad" in jaxpr

@@ -66,8 +66,14 @@ def with_bias_column(x: jax.Array) -> jax.Array:
     """x [M, D] -> [M, D + P]: x, a column of ones, zeros up to a multiple of 64 columns
     (1 <= P <= 64): the GEMM operand of the folded gate bias (``gate_pre_activation``)."""
     m, d = x.shape
-    ones = jnp.zeros((m, _K_MULTIPLE - d % _K_MULTIPLE), x.dtype).at[:, 0].set(1)
-    return jnp.concatenate([x, ones], axis=1)
+    return jnp.concatenate([x, _first_column(jnp.ones((m, 1), x.dtype), d)], axis=1)
+
+
+def _first_column(column: jax.Array, d: int) -> jax.Array:
+    """column [R, 1] followed by zeros: [R, P], P = 64 - D % 64. Padded, not scattered: an
+    ``.at[:, 0].set`` compiled to two launches of its own on every call (an index check and
+    a pad) where a pad folds into the concatenation."""
+    return jnp.pad(column, ((0, 0), (0, _K_MULTIPLE - d % _K_MULTIPLE - 1)))
 
 
 def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
@@ -101,8 +107,7 @@ def gate_pre_activation(x: jax.Array, w: jax.Array, bias: jax.Array | None, *,
         pre = dot_rows(x, w, jnp.float32) + bias.astype(jnp.float32)
         return pre.astype(x.dtype)
     x_wide = with_bias_column(x) if x_wide is None else x_wide
-    pad = x_wide.shape[1] - d
-    bias_columns = jnp.zeros((w.shape[0], pad), w.dtype).at[:, 0].set(bias.astype(w.dtype))
+    bias_columns = _first_column(bias.astype(w.dtype)[:, None], d)
     return dot_rows(x_wide, jnp.concatenate([w, bias_columns], axis=1))
 
 
