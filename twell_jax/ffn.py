@@ -381,7 +381,9 @@ def _twell_forward(x, params, bias, gated, implementation, config, differentiate
     weights = _compute_weights(x, params)
     # What the pack and the up/down read in place of x: one array, which x's producer can
     # write in one pass (``Backend.widen_input``). The branches below take x's columns back.
-    x_in = x if backend.widen_input is None else backend.widen_input(x, bias)
+    # Differentiated, x itself is saved for the backward, so a wider copy would save nothing.
+    widen = backend.widen_input is not None and not differentiated
+    x_in = backend.widen_input(x, bias) if widen else x
     # ``differentiated``: the backward runs too (the custom_vjp's forward), which changes
     # what hot units save (``CostModel.hot_units_pay``).
     lists, counts, pre, skipped, hot = backend.pack(x_in, weights[0], bias, config,
@@ -407,10 +409,7 @@ def _twell_forward(x, params, bias, gated, implementation, config, differentiate
     counted = (row_nnz_all, num_heavy)
     sparse = functools.partial(_sparse_forward, backend, x_in, weights, bias, gated, gate, pre,
                                counted)
-    # Differentiated, x is saved for the backward anyway: the dense branch reads it rather
-    # than copy its columns out of ``x_in``.
-    dense_branch = functools.partial(_dense_forward, x if differentiated else x_in, weights,
-                                     bias, gated, pre,
+    dense_branch = functools.partial(_dense_forward, x_in, weights, bias, gated, pre,
                                      gate.values.shape[1] if gated else 0, counted)
     branches = [*_backup_branches(sparse, backup, sizes), dense_branch]
     if skipped is not None:
