@@ -233,7 +233,8 @@ def test_bad_inputs():
 def test_gate_pre_activation_folds_the_bias_exactly_and_without_a_scatter(d):
     """At least D / 2 rows: the bias is one more contraction column, ``[x, 1, 0..] @ [w, b,
     0..].T`` (D padded to a multiple of 64): equal to float64 within one rounding, and the
-    padding is a pad, not a scatter (which compiled to two launches of its own a call)."""
+    padding is a pad, not a scatter (on the GPU a scatter compiled to two small fusions of its
+    own a call)."""
     rng = np.random.default_rng(seed_of("gate_fold", d))
     m, f = 128, 96
     x, w_flax, b = make_inputs(m, d, f, jnp.bfloat16, "threshold", rng)
