@@ -495,8 +495,9 @@ def test_pallas_hands_x_with_the_bias_column_to_pack_and_up_down(monkeypatch, ro
         jax.clear_caches()  # inner jitted functions keep traces made under another backend
         monkeypatch.setattr(pallas_backend, "BACKEND", backend)
         grad = jax.grad(loss, argnums=(0, 1, 2))
-        barriers = [str(jax.make_jaxpr(fn)(x, weights, bias)).count("optimization_barrier")
-                    for fn in (forward, grad)]
+        jaxprs = [str(jax.make_jaxpr(fn)(x, weights, bias)) for fn in (forward, grad)]
+        assert "twell_row_pack" in jaxprs[0] and "twell_row_up_down" in jaxprs[0]
+        barriers = [text.count("optimization_barrier") for text in jaxprs]
         return (barriers, jax.jit(forward)(x, weights, bias), jax.jit(grad)(x, weights, bias))
 
     widened = run(pallas_backend.BACKEND)

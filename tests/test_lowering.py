@@ -94,6 +94,9 @@ def test_row_up_down_lowers(gated, config):
     if gated:
         fn = lambda *a: row_up_down(*a, config=config, interpret=False)
         module = export_for_cuda(fn, S((M, D), BF16), S((F, D), BF16), *lists)
+        # x with the folded gate bias's column (64 more columns), as the FFN hands it over.
+        wide = export_for_cuda(fn, S((M, D + 64), BF16), S((F, D), BF16), *lists)
+        assert "twell_row_up_down" in wide
     else:
         fn = lambda *a: row_up_down(None, None, *a, config=config, interpret=False)
         module = export_for_cuda(fn, *lists)

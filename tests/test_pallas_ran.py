@@ -76,15 +76,31 @@ def test_the_backward_kernels_sit_before_the_route_switch_but_dx():
                      "twell_sparse_outer_add_pieces": 2}
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_the_whole_op_lowers_for_the_gpu(monkeypatch, gated):
-    """The full op, compiled for CUDA on this CPU machine, contains the Triton kernels."""
+def test_the_whole_op_lowers_for_the_gpu(monkeypatch, gated, bias):
+    """The full op, compiled for CUDA on this CPU machine, contains the Triton kernels; with
+    a bias (gated), the up/down kernel reads x with the folded gate bias's column."""
     monkeypatch.setattr(kernels_common, "default_interpret", lambda: False)
     monkeypatch.setattr(ffn, "default_interpret", lambda: False)
     m, d, f = 256, 256, 512
     shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in
               ([(m, d), (d, f), (d, f), (f, d)] if gated else [(m, d), (d, f), (f, d)])]
     op = tj.gated_mlp if gated else tj.mlp
-    module = export_for_cuda(lambda *a: op(*a, implementation="pallas", config=SPARSE), *shapes)
+    bias_arg = {}
+    if bias:
+        shapes.append(jax.ShapeDtypeStruct((f,), jnp.float32))
+        bias_arg = lambda b: {"b_gate" if gated else "b_up": b}
+
+    def fn(*a):
+        if bias:
+            return op(*a[:-1], implementation="pallas", config=SPARSE, **bias_arg(a[-1]))
+        return op(*a, implementation="pallas", config=SPARSE)
+
+    module = export_for_cuda(fn, *shapes)
+    if bias and gated:  # the up/down kernel's first operand: x and 64 more columns
+        wide_x_first = re.compile(r"custom_call @__gpu\$xla\.gpu\.triton\(.*: \(tensor<"
+                                  rf"{m}x{d + 64}xbf16>, tensor<{f}x{d}xbf16>")
+        assert any(wide_x_first.search(line) for line in module.splitlines())
     expected = FORWARD_KERNELS
     assert expected <= _kernel_names(module)
