@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,8 @@ import pytest
 import twell_jax as tj
 from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from twell_jax import ffn
+from twell_jax import backends, ffn
+from twell_jax.format import mask_lists
 from tests.utils import (PATTERNS, assert_close, dense_ffn_f32, ffn_float64,
                          make_ffn_inputs, seed_of, slow, slow_unless)
 
@@ -508,6 +510,49 @@ def test_pallas_hands_x_with_the_bias_column_to_pack_and_up_down(monkeypatch, ro
     assert int(stats.heavy_rows) > 0
     assert_close(y, ffn_float64(x, w_gate, w_up, w_down)[0], jnp.bfloat16)  # x[:, -1] = 1
     for got, want in zip(jax.tree.leaves(widened[1:]), jax.tree.leaves(as_is[1:])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "reference"])
+def test_inference_never_reads_list_entries_past_a_rows_count(monkeypatch, implementation):
+    """A call that is not differentiated hands the packed lists to the up/down unmasked (the
+    mask is one [M, K] pass a call): whatever lies past a row's count (NaN values, columns
+    out of range) leaves its output unchanged. A differentiated call still masks them: its
+    gradients stay equal too."""
+    backend = backends.get(implementation)
+    x, *weights = make_ffn_inputs(17, M, D, F, "heavy_tailed", jnp.bfloat16)
+
+    def poisoned_pack(*args, **kwargs):
+        lists, *rest = backend.pack(*args, **kwargs)
+        k = lists.values.shape[1]
+        past = jnp.arange(k)[None, :] >= lists.row_nnz[:, None]
+        values = jnp.where(past, jnp.nan, lists.values)
+        columns = jnp.where(past, F + 1000, lists.columns)
+        return (tj.backends.RowLists(values, columns, lists.row_nnz), *rest)
+
+    def forward(x, w):
+        return tj.gated_mlp(x, *w, implementation=implementation, config=CONFIG,
+                            return_stats=True)
+
+    def grad(x, w):
+        return jax.grad(lambda x, w: jnp.sum(forward(x, w)[0].astype(jnp.float32)),
+                        argnums=(0, 1))(x, w)
+
+    def run():
+        jax.clear_caches()  # inner jitted functions keep traces made under another backend
+        return jax.jit(forward)(x, weights), jax.jit(grad)(x, weights)
+
+    masks = []
+    monkeypatch.setattr(ffn, "mask_lists", lambda *a: masks.append(1) or mask_lists(*a))
+    clean = run()
+    assert len(masks) == 1  # the differentiated call's forward only
+    monkeypatch.setattr(importlib.import_module(f"twell_jax.backends.{implementation}"),
+                        "BACKEND", dataclasses.replace(backend, pack=poisoned_pack))
+    poisoned = run()
+    jax.clear_caches()
+    assert int(clean[0][1].heavy_rows) > 0 and not bool(clean[0][1].dense_fallback)
+    assert np.isfinite(np.asarray(poisoned[0][0], np.float32)).all()
+    for got, want in zip(jax.tree.leaves(poisoned), jax.tree.leaves(clean)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

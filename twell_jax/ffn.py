@@ -295,17 +295,22 @@ class _Residuals(NamedTuple):
         return RowLists(self.gate_values, self.columns, self.row_nnz)
 
 
-def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig) -> RowLists:
-    """The lists of the rows not in ``skip`` [M] bool, entries past each row's count zeroed.
+def _light_lists(lists: RowLists, skip: jax.Array, f: int, config: TwELLConfig,
+                 masked: bool = True) -> RowLists:
+    """The lists of the rows not in ``skip`` [M] bool, with ``masked`` the entries past each
+    row's count zeroed.
 
     Skipped rows (the backup's rows, or every row of a batch that goes dense) get row_nnz 0:
     the sparse products pass over them. A light row holds at most max_row_nnz entries, so the
-    lists (and the residuals) keep only that many slots; the backends leave entries past a
-    row's count unspecified, hence the mask."""
+    lists (and the residuals) keep only that many slots. The backends leave entries past a
+    row's count unspecified: the lists saved for the backward need them zeroed, but the
+    forward's ``up_down`` never reads them, so a call that is not differentiated skips the
+    mask (one [M, K] pass a call)."""
     light_slots = min(lists.values.shape[1], config.max_row_nnz(f))
     row_nnz = jnp.where(skip, 0, jnp.minimum(lists.row_nnz, light_slots))
-    values, columns = mask_lists(lists.values[:, :light_slots], lists.columns[:, :light_slots],
-                                 row_nnz)
+    values, columns = lists.values[:, :light_slots], lists.columns[:, :light_slots]
+    if masked:
+        values, columns = mask_lists(values, columns, row_nnz)
     return RowLists(values, columns, row_nnz)
 
 
@@ -404,7 +409,7 @@ def _twell_forward(x, params, bias, gated, implementation, config, differentiate
     backup = _backup_rows(heavy, row_nnz_all, route, sizes, config.max_row_nnz(f))
     # A batch that goes dense keeps empty lists: the backward runs the lists' kernels whatever
     # the route (``_twell_backward``), and they must add nothing to the dense gradients.
-    gate = _light_lists(lists, backup | dense, f, config)
+    gate = _light_lists(lists, backup | dense, f, config, masked=differentiated)
 
     counted = (row_nnz_all, num_heavy)
     sparse = functools.partial(_sparse_forward, backend, x_in, weights, bias, gated, gate, pre,
