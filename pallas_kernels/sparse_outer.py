@@ -37,17 +37,18 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_config, largest_pow2_divisor, resolve_interpret
 
 
-def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, block_d: int,
-                         n_values: int, unit_blocks: int, unroll: int):
+def _sparse_outer_kernel(skip_ref, start_ref, size_ref, rows_ref, *refs, block_f: int,
+                         block_d: int, n_values: int, unit_blocks: int, unroll: int):
     """One program: pieces [i * block_f, +block_f) x features [j * block_d, +block_d).
 
     Pieces [0, F) are the units' first pieces: programs i < ``unit_blocks`` store their tiles
     as those units' output rows. Later pieces are the rest of the busy units' columns: those
     programs store partial sums, one row per piece (``_add_pieces_kernel`` adds them).
 
-    Refs (whole arrays): per piece its first sorted entry and size [P] int32; rows [E] int32
-    (entry rows sorted by unit); n_values sorted values [E]; b [M, D]; then n_values outputs
-    [F, D] float32 and n_values partial sums [P - F, D] float32.
+    Refs (whole arrays): skip [1] int32 (non-zero: store nothing); per piece its first
+    sorted entry and size [P] int32; rows [E] int32 (entry rows sorted by unit); n_values
+    sorted values [E]; b [M, D]; then n_values outputs [F, D] float32 and n_values partial
+    sums [P - F, D] float32.
     Each loop step takes ``unroll`` entries of every piece, their loads issued together: more
     gathers in flight per program (faster on the H100).
     """
@@ -82,11 +83,12 @@ def _sparse_outer_kernel(start_ref, size_ref, rows_ref, *refs, block_f: int, blo
         return tuple(out)
 
     zeros = tuple(jnp.zeros((block_f, block_d), jnp.float32) for _ in range(n_values))
-    longest = jnp.max(sizes)
+    skip = skip_ref[0] != 0
+    longest = jnp.where(skip, 0, jnp.max(sizes))
     accs = jax.lax.fori_loop(0, (longest + unroll - 1) // unroll, step, zeros)
     features = pl.ds(col0, block_d)
 
-    @pl.when(i < unit_blocks)
+    @pl.when((i < unit_blocks) & jnp.logical_not(skip))
     def _():
         for acc, o_ref in zip(accs, out_refs):
             o_ref[pieces, features] = acc
@@ -283,6 +285,7 @@ def sparse_outer(
     d_ff: int,
     *,
     config: SparseOuterConfig | None = None,
+    skip: jax.Array | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, ...]:
     """Transposed products of a row-compacted pattern with a dense b.
@@ -295,6 +298,10 @@ def sparse_outer(
       d_ff: F, the number of output rows.
       config: block sizes; ``default_sparse_outer_config`` when None. Requires
         d_ff % block_f == 0 and D % block_d == 0 (the caller pads).
+      skip: optional [] bool, read on the device: when true the kernels store nothing and
+        the outputs are unspecified, for a caller that will discard them (the FFN's backward
+        of a batch that went dense). Writing zeros there would cost a pass over every
+        output: 3 x 235 MB at F = 14336, D = 4096.
       interpret: run the Pallas interpreter (None: iff no GPU).
 
     Returns:
@@ -329,7 +336,8 @@ def sparse_outer(
         compiler_params=params,
         interpret=interpret,
         name="twell_sparse_outer",
-    )(pieces.start, pieces.size, rows, *sorted_values, b)
+    )(jnp.reshape(jnp.asarray(False if skip is None else skip, jnp.int32), (1,)),
+      pieces.start, pieces.size, rows, *sorted_values, b)
     results, partials = out[:n], out[n:]
     # The busy units' rows: their first piece's sum plus their later pieces' partial sums.
     return tuple(pl.pallas_call(

@@ -74,6 +74,23 @@ def test_kernel_matches_reference_and_float64(pattern, dtype, n_values, min_piec
         assert_close(r, e, jnp.float32, what=f"reference {pattern}")
 
 
+def test_skip_stores_nothing():
+    """``skip`` read on the device: false computes what no flag does, bit for bit; true stores
+    nothing (the interpreter's unwritten outputs hold NaN), so a batch that went dense does
+    not pay a pass of zeros over every dW it discards."""
+    values, columns, row_nnz, b = make_pattern(1, "hot_column", jnp.bfloat16, 2)
+    config = SparseOuterConfig(block_f=16, block_d=32, min_piece=1)  # later pieces too
+    # Interpreted whatever the machine: only the interpreter fills unwritten outputs with NaN.
+    run = jax.jit(lambda skip: sparse_outer(values, columns, row_nnz, b, F, config=config,
+                                            skip=skip, interpret=True))
+    plain = sparse_outer(values, columns, row_nnz, b, F, config=config, interpret=True)
+    for got, want in zip(run(jnp.asarray(False)), plain):
+        assert float(jnp.max(jnp.abs(want))) > 0
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for got in run(jnp.asarray(True)):
+        assert np.isnan(np.asarray(got)).all()
+
+
 @pytest.mark.parametrize("unroll", [1, 3])
 @pytest.mark.parametrize("pattern", ["uniform", "hot_column"])
 def test_entries_per_step_match_float64(unroll, pattern):

@@ -482,8 +482,11 @@ def _list_grads(backend: Backend, gated: bool, r: _Residuals, dy, l1_ct) -> _Lis
     x, weights, gate = r.x, r.weights, r.gate
     f = weights[0].shape[0]
     g = gate.values.astype(_F32)
-    # The transposed products, one per values array: [F, D], every weight's layout.
-    outer = lambda values, b: backend.sparse_outer(values, gate.columns, gate.row_nnz, b, f)
+    # The transposed products, one per values array: [F, D], every weight's layout. A batch
+    # that went dense discards them (``_dense_backward``), so its kernels store nothing:
+    # zeros there cost a pass over every dW (0.23 ms at M 2048, D 4096, F 14336 on the H100).
+    outer = lambda values, b: backend.sparse_outer(values, gate.columns, gate.row_nnz, b, f,
+                                                   skip=r.dense)
     d1, d2 = backend.row_grads(dy, weights[-1], gate, r.up_values if gated else None, l1_ct)
     if gated:
         du, dg = d1, d2

@@ -33,9 +33,11 @@ row per unit (``twell_jax.layout``).
 - ``row_dx(w_up [F, D], w_gate [F, D] or None, gate: RowLists, d1, d2 or None, dx_dtype)`` ->
   dx [M, D] dx_dtype: the input gradient from ``row_grads``' outputs, accumulated in float32
   and rounded once.
-- ``sparse_outer(values: tuple of [M, K], columns, row_nnz, b [M, D], d_ff)``
+- ``sparse_outer(values: tuple of [M, K], columns, row_nnz, b [M, D], d_ff, skip=None)``
   -> tuple of [d_ff, D] float32, one per values array (all
-  share the pattern and b): the transposed products of the backward (dW).
+  share the pattern and b): the transposed products of the backward (dW). ``skip``: a [] bool
+  that, when true, allows outputs left unspecified (the caller discards them: the backward of
+  a batch that went dense); a backend may compute them anyway.
 - ``decode(x [M, D], w_in [F, D], bias [F] or None, w_up [F, D] or None, w_down [F, D],
   partial_sums=False)`` -> ``(y [M, D] x.dtype, l1 [M] float32, active [M, F] bool)``
   (optional; with ``partial_sums`` a backend may return y as float32 partial sums [S, M, D]

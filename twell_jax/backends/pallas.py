@@ -138,9 +138,10 @@ def _row_dx(w_up, w_gate, gate: RowLists, d1, d2, dx_dtype):
     return dx[:, :w_up.shape[1]]
 
 
-def _sparse_outer(values, columns, row_nnz, b, d_ff):
+def _sparse_outer(values, columns, row_nnz, b, d_ff, skip=None):
     m, d = b.shape
-    out = sparse_outer(tuple(values), columns, row_nnz, _pad(b, (m, _padded_features(d))), d_ff)
+    out = sparse_outer(tuple(values), columns, row_nnz, _pad(b, (m, _padded_features(d))), d_ff,
+                       skip=skip)
     return tuple(o[:, :d] for o in out)
 
 

@@ -53,14 +53,17 @@ def sparse_dot(values: jax.Array, columns: jax.Array, row_nnz: jax.Array,
 
 
 def sparse_outer(values: tuple[jax.Array, ...], columns: jax.Array, row_nnz: jax.Array,
-                 b: jax.Array, d_ff: int) -> tuple[jax.Array, ...]:
+                 b: jax.Array, d_ff: int, skip: jax.Array | None = None
+                 ) -> tuple[jax.Array, ...]:
     """Transposed products: out_i[j] = sum over (m, k) with columns[m, k] = j of
     values_i[m, k] * b[m].
 
     values: a tuple of [M, K] arrays sharing the pattern; columns: [M, K]; row_nnz: [M];
     b: [M, D]. Returns a tuple of [d_ff, D] float32, one per values array (e.g. dW_down =
-    h^T @ dy with h packed). (The ``sparse_outer`` kernel's reference.)
+    h^T @ dy with h packed). (The ``sparse_outer`` kernel's reference.) ``skip`` is ignored:
+    the products are always computed.
     """
+    del skip
     return sparse_outer_reference(values, columns, row_nnz, b, d_ff)
 
 
