@@ -5,7 +5,8 @@
 
 For each (D, F) in ``--shapes``, M in ``--rows`` and mean density (active units per token / F) in
 ``--densities`` (uniform rows: every token near the mean), it times the public op
-``twell_jax.gated_mlp(..., implementation="pallas")`` jitted alone against the dense FFN a Flax
+``twell_jax.feed_forward(..., implementation="pallas")`` on weights stored [F, D] (made once per
+cell with ``twell_jax.prepare_weights``), jitted alone, against the dense FFN a Flax
 user writes (three bias-free bf16 ``nnx.Linear`` layers), forward and forward + backward (all
 four gradients of ``sum(y * dy)``), in the same process. Both are compared before timing (the
 relative error of y, or of dx, is recorded with each cell). Every call is timed inside an on-device loop of

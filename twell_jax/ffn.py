@@ -408,7 +408,7 @@ def _twell_forward(x, params, bias, gated, implementation, config, differentiate
     route = _route(dense, num_heavy, sizes)
     backup = _backup_rows(heavy, row_nnz_all, route, sizes, config.max_row_nnz(f))
     # A batch that goes dense keeps empty lists: the backward runs the lists' kernels whatever
-    # the route (``_twell_backward``), and they must add nothing to the dense gradients.
+    # the route (``_twell_backward``), and they then have nothing to loop over.
     gate = _light_lists(lists, backup | dense, f, config, masked=differentiated)
 
     counted = (row_nnz_all, num_heavy)
