@@ -94,17 +94,20 @@ def test_cost_model_takes_hot_units_only_when_they_pay():
 @pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "plain"])
 # The fast tier keeps the backup beside the hot units; light rows alone are in the slow tier.
 @pytest.mark.parametrize("dense_rows", [slow(()), (3, 50)], ids=["light", "with_backup"])
+# With a bias and 2M >= D, "pallas" widens x by the bias's column, and the hot GEMM reads
+# that wider array (zero weight columns past D).
+@pytest.mark.parametrize("bias", [False, True], ids=["threshold_row", "bias"])
 @pytest.mark.parametrize("implementation, dtype", [
     ("reference", jnp.float32), ("pallas", jnp.bfloat16),
     slow("pallas", jnp.float32), slow("reference", jnp.bfloat16)])
-def test_forward_and_stats_match_float64(implementation, dtype, dense_rows, gated):
-    x, weights, _, _ = hot_inputs(seed_of("fwd", dense_rows, gated), dtype, gated=gated,
-                                  dense_rows=dense_rows)
+def test_forward_and_stats_match_float64(implementation, dtype, bias, dense_rows, gated):
+    x, weights, b, _ = hot_inputs(seed_of("fwd", dense_rows, gated, bias), dtype, gated=gated,
+                                  dense_rows=dense_rows, bias=bias)
     run = jax.jit(functools.partial(_call, implementation=implementation, config=CONFIG))
-    y, stats = run(x, weights)
+    y, stats = run(x, weights, b)
     _, stats_without = jax.jit(functools.partial(_call, implementation=implementation,
-                                                 config=NO_HOT))(x, weights)
-    expected, l1 = ffn_float64(x, *weights)
+                                                 config=NO_HOT))(x, weights, b)
+    expected, l1 = ffn_float64(x, *weights, bias=b)
     assert_close(y, expected, dtype, what=f"{implementation} y")
     assert_close(stats.l1, l1, dtype, what=f"{implementation} l1")
     assert NUM_HOT <= int(stats.hot_units) < NUM_HOT + 4  # the hot GEMMs really ran
@@ -237,3 +240,32 @@ def test_model_reports_hot_units_and_keeps_its_gradients(implementation):
     for got, want in zip(grads_on, grads_off):
         assert_close(got, np.asarray(want, np.float64), jnp.float32, kind="grad",
                      what="model grad", zero_reference_ok=True)
+
+
+def _dot_operand_shapes(jaxpr) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(lhs shape, rhs shape) of every ``dot_general``, nested jaxprs (jits, branches) included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes.append(tuple(tuple(v.aval.shape) for v in eqn.invars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    shapes += _dot_operand_shapes(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    shapes += _dot_operand_shapes(sub)
+    return shapes
+
+
+def test_inference_hot_gemm_reads_the_widened_input():
+    """With a gate bias folded into the gate GEMM, "pallas" inference reads x widened by the
+    bias's column (the array a model's norm writes in one pass); the hot units' GEMM reads
+    that array too, with zero weight columns past D, so x itself is not needed beside it."""
+    x, weights, b, _ = hot_inputs(seed_of("widened"), jnp.bfloat16, bias=True)
+    jaxpr = jax.make_jaxpr(functools.partial(_call, implementation="pallas", config=CONFIG))(
+        x, weights, b).jaxpr
+    k = hot_units.slots(M, F, CONFIG)
+    hot_gemms = [(lhs, rhs) for lhs, rhs in _dot_operand_shapes(jaxpr) if rhs[0] == 2 * k]
+    assert hot_gemms, "no hot GEMM traced"
+    assert all(lhs[0] == M and lhs[1] > D and rhs[1] == lhs[1] for lhs, rhs in hot_gemms), \
+        hot_gemms

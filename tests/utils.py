@@ -123,15 +123,17 @@ def make_ffn_inputs(seed: int, m: int, d: int, f: int, pattern: str, dtype, *, g
     return tuple(arrays)
 
 
-def ffn_float64(x, *weights):
-    """The dense FFN in float64 numpy on the given (already rounded) inputs."""
+def ffn_float64(x, *weights, bias=None):
+    """The dense FFN in float64 numpy on the given (already rounded) inputs; ``bias`` [F] is
+    the gate's (gated) or the up projection's."""
     x, *weights = [np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, *weights)]
+    b = 0.0 if bias is None else np.asarray(jnp.asarray(bias, jnp.float32), np.float64)
     if len(weights) == 3:
         w_gate, w_up, w_down = weights
-        h = np.maximum(x @ w_gate, 0.0) * (x @ w_up)
+        h = np.maximum(x @ w_gate + b, 0.0) * (x @ w_up)
     else:
         w_up, w_down = weights
-        h = np.maximum(x @ w_up, 0.0)
+        h = np.maximum(x @ w_up + b, 0.0)
     return h @ w_down, np.abs(h).sum(axis=-1).mean()
 
 

@@ -384,8 +384,9 @@ def _twell_forward(x, params, bias, gated, implementation, config, differentiate
     if _static_dense(backend, m, x.shape[1], f, x.dtype, config, differentiated=True):
         return _dense_forward_for_grad(x, params, bias, gated, config)
     weights = _compute_weights(x, params)
-    # What the pack and the up/down read in place of x: one array, which x's producer can
-    # write in one pass (``Backend.widen_input``). The branches below take x's columns back.
+    # What the pack, the up/down and the hot units' GEMM read in place of x: one array, which
+    # x's producer can write in one pass (``Backend.widen_input``). The branches below take
+    # x's columns back.
     # Differentiated, x itself is saved for the backward, so a wider copy would save nothing.
     widen = backend.widen_input is not None and not differentiated
     x_in = backend.widen_input(x, bias) if widen else x
@@ -432,7 +433,7 @@ def _twell_forward(x, params, bias, gated, implementation, config, differentiate
         # has its counts from ``pre`` whole and skips them.
         if skipped is not None:
             hot = hot._replace(used=hot.used & ~skipped)
-        y, l1_hot, hot_nnz = hot_units.add_forward(y, x, weights, bias, gated, hot,
+        y, l1_hot, hot_nnz = hot_units.add_forward(y, x_in, weights, bias, gated, hot,
                                                    ~(backup | dense), backend.add_product)
         l1_sum, nnz = l1_sum + l1_hot, nnz + hot_nnz
         num_hot = jnp.where(hot.used & ~dense, jnp.sum(hot.on, dtype=jnp.int32), 0)

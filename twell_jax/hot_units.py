@@ -116,8 +116,9 @@ def _input_rows(weights: tuple[jax.Array, ...], hot: HotUnits) -> jax.Array:
 
 
 def _activations(x, w_in, bias, gated: bool, hot: HotUnits, rows) -> _HotActivations:
-    """The hot units' activations on x [M, D]: one GEMM x @ w_in.T (``_input_rows``),
-    float32 output. ``rows`` [M] bool: the rows whose hidden values count (the light rows)."""
+    """The hot units' activations on x [M, D'] (D' = w_in's width, zero past D for a widened
+    x): one GEMM x @ w_in.T (``_input_rows``), float32 output. ``rows`` [M] bool: the rows
+    whose hidden values count (the light rows)."""
     k = hot.index.shape[0]
     products = dot_rows(x, w_in, _F32)
     gate = products[:, :k]
@@ -139,11 +140,17 @@ def add_forward(y: jax.Array, x: jax.Array, weights: tuple[jax.Array, ...], bias
     Returns (y [M, D] y.dtype, l1 sum [] float32 over the rows, hot active units per row [M]
     int32 over every row, for the statistics). ``weights`` are [F, D] in x.dtype.
     ``add_product(y, h, w, run)``: the backend's ``y + h @ w`` where ``run``, written over y
-    (``pallas_kernels.add_product``), so a batch without hot units copies nothing."""
+    (``pallas_kernels.add_product``), so a batch without hot units copies nothing.
+
+    x may be wider than D (a widened input: the folded gate bias's column and padding, which
+    the pack and the up/down read in its place): its columns past D meet zero weight columns,
+    so the call reads the array the others read and x itself need not be kept alive."""
     m, k = x.shape[0], hot.index.shape[0]
+    w_in = _input_rows(weights, hot)
+    w_in = jnp.pad(w_in, ((0, 0), (0, x.shape[1] - w_in.shape[1])))
 
     def run():
-        acts = _activations(x, _input_rows(weights, hot), bias, gated, hot, rows)
+        acts = _activations(x, w_in, bias, gated, hot, rows)
         return (acts.hidden.astype(x.dtype), jnp.sum(jnp.abs(acts.hidden)),
                 jnp.sum(acts.active, axis=1, dtype=jnp.int32))
 
