@@ -151,7 +151,7 @@ class TwELLConfig:
         H100, 64 units on 85% of the tokens, M = 16384, forward 0.98x -> 1.35x of dense,
         forward + backward 0.83x -> 1.51x. Off by default because its device-side choice
         costs batches without hot units time: the FFN alone 2-3%, a 0.5b prefill under
-        the layer scan 4%.
+        the layer scan 1-2.5%.
       hot_unit_rate: a unit is hot when active on at least this share of the sampled rows.
       hot_min_rows: calls of fewer token rows take no hot units (their launches would cost
         more than they save).
