@@ -13,7 +13,8 @@ from pallas_kernels.add_product import (AddProductConfig, add_product, add_produ
                                         fits)
 from twell_jax import hot_units, inputs
 from twell_jax.format import sampled_active
-from tests.utils import assert_close, dense_ffn_f32, ffn_float64, seed_of, slow
+from tests.utils import (assert_close, dense_ffn_f32, ffn_float64, nested_eqns, seed_of,
+                         slow)
 
 M, D, F = 96, 72, 200
 NUM_HOT = 12
@@ -242,21 +243,6 @@ def test_model_reports_hot_units_and_keeps_its_gradients(implementation):
                      what="model grad", zero_reference_ok=True)
 
 
-def _dot_operand_shapes(jaxpr) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(lhs shape, rhs shape) of every ``dot_general``, nested jaxprs (jits, branches) included."""
-    shapes = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            shapes.append(tuple(tuple(v.aval.shape) for v in eqn.invars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    shapes += _dot_operand_shapes(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    shapes += _dot_operand_shapes(sub)
-    return shapes
-
-
 def test_inference_hot_gemm_reads_the_widened_input():
     """With a gate bias folded into the gate GEMM, "pallas" inference reads x widened by the
     bias's column (the array a model's norm writes in one pass); the hot units' GEMM reads
@@ -265,7 +251,9 @@ def test_inference_hot_gemm_reads_the_widened_input():
     jaxpr = jax.make_jaxpr(functools.partial(_call, implementation="pallas", config=CONFIG))(
         x, weights, b).jaxpr
     k = hot_units.slots(M, F, CONFIG)
-    hot_gemms = [(lhs, rhs) for lhs, rhs in _dot_operand_shapes(jaxpr) if rhs[0] == 2 * k]
+    dots = [tuple(tuple(v.aval.shape) for v in eqn.invars) for eqn in nested_eqns(jaxpr)
+            if eqn.primitive.name == "dot_general"]
+    hot_gemms = [(lhs, rhs) for lhs, rhs in dots if rhs[0] == 2 * k]
     assert hot_gemms, "no hot GEMM traced"
     assert all(lhs[0] == M and lhs[1] > D and rhs[1] == lhs[1] for lhs, rhs in hot_gemms), \
         hot_gemms

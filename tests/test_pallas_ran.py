@@ -11,7 +11,7 @@ import pallas_kernels.common as kernels_common
 import twell_jax as tj
 from twell_jax import ffn
 from tests.test_lowering import export_for_cuda
-from tests.utils import make_ffn_inputs
+from tests.utils import make_ffn_inputs, nested_eqns
 
 FORWARD_KERNELS = {"twell_row_pack", "twell_row_up_down"}
 # Never the dense switch, and the lists even for these small calls (no decode path).
@@ -46,18 +46,9 @@ def test_forward_and_backward_lower_the_kernels():
 def _kernel_calls(jaxpr) -> collections.Counter:
     """Pallas calls by name, counted once per place they run: inside nested jits and switch
     branches too (what XLA compiles once each, after inlining the jits)."""
-    calls = collections.Counter()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            calls[str(eqn.params["name"])] += 1
-            continue
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    calls += _kernel_calls(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    calls += _kernel_calls(sub)
-    return calls
+    return collections.Counter(str(eqn.params["name"])
+                               for eqn in nested_eqns(jaxpr, skip=("pallas_call",))
+                               if eqn.primitive.name == "pallas_call")
 
 
 def test_the_backward_kernels_sit_before_the_route_switch_but_dx():

@@ -176,3 +176,18 @@ def subprocess_env(**overrides: str) -> dict[str, str]:
     root = str(pathlib.Path(__file__).resolve().parents[1])
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **overrides}
+
+
+def nested_eqns(jaxpr, skip: tuple[str, ...] = ()):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters
+    (jits, switch branches, loops), in order; not inside the primitives named in ``skip``."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name in skip:
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from nested_eqns(sub.jaxpr, skip)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from nested_eqns(sub, skip)
