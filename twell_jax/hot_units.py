@@ -146,10 +146,10 @@ def add_forward(y: jax.Array, x: jax.Array, weights: tuple[jax.Array, ...], bias
     the pack and the up/down read in its place): its columns past D meet zero weight columns,
     so the call reads the array the others read and x itself need not be kept alive."""
     m, k = x.shape[0], hot.index.shape[0]
-    w_in = _input_rows(weights, hot)
-    w_in = jnp.pad(w_in, ((0, 0), (0, x.shape[1] - w_in.shape[1])))
 
     def run():
+        w_in = _input_rows(weights, hot)
+        w_in = jnp.pad(w_in, ((0, 0), (0, x.shape[1] - w_in.shape[1])))
         acts = _activations(x, w_in, bias, gated, hot, rows)
         return (acts.hidden.astype(x.dtype), jnp.sum(jnp.abs(acts.hidden)),
                 jnp.sum(acts.active, axis=1, dtype=jnp.int32))
