@@ -623,6 +623,47 @@ def test_differentiated_small_calls_run_dense_autodiff_on_gpu(monkeypatch, gated
     assert "twell_scan_up_down" in str(jax.make_jaxpr(primal)(x))
 
 
+@pytest.mark.parametrize("differentiated", [False, True])
+@pytest.mark.parametrize("return_stats", [False, True])
+def test_calls_routed_dense_lower_to_the_dense_program(monkeypatch, differentiated,
+                                                       return_stats):
+    """Where the shapes alone route "pallas" dense on a GPU (too few rows for the sparse
+    path's fixed cost), it steps aside at no cost: the lowered program is "xla"'s, statement
+    for statement, the statistics and gradients included (only ``stats.dense_fallback``
+    differs, a constant that says which path ran). (A differentiated decode-sized call runs
+    the dense function inside the sparse op's custom_vjp, which receives the L1 statistic's
+    cotangent as zeros: its lowered program carries the L1 term's few elementwise ops, which
+    XLA's simplifier folds away (the compiled programs' operations match). Not compared here.)"""
+    m = 1024
+    import pallas_kernels.common
+    from twell_jax import dense
+    for module in (pallas_kernels.common, ffn, dense):
+        monkeypatch.setattr(module, "default_interpret", lambda: False)  # as on a GPU
+    d, f = 2048, 5632
+    assert ffn.path_for("pallas", m, d, f, jnp.bfloat16, differentiated=differentiated) == "dense"
+
+    def program(implementation: str) -> str:
+        def call(x, w):
+            out = tj.feed_forward(x, tj.FFNWeights(*w), implementation=implementation,
+                                  return_stats=return_stats)
+            if not return_stats:
+                return out
+            y, stats = out
+            return y, stats._replace(dense_fallback=jnp.asarray(False))
+
+        def loss(x, w):
+            out = call(x, w)
+            y = out[0] if return_stats else out
+            return jnp.sum(y.astype(jnp.float32)) + (out[1].l1 if return_stats else 0.0)
+
+        fn = jax.grad(loss, argnums=(0, 1)) if differentiated else call
+        weights = tuple(jax.ShapeDtypeStruct((f, d), jnp.bfloat16) for _ in range(3))
+        x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
+        return jax.jit(fn).lower(x, weights).as_text(debug_info=False)
+
+    assert program("pallas") == program("xla")
+
+
 def test_path_for_names_the_path_a_call_takes(monkeypatch):
     monkeypatch.setattr(ffn, "default_interpret", lambda: True)  # as without a GPU
     bf16 = jnp.bfloat16

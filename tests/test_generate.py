@@ -228,6 +228,32 @@ def test_decode_loop_runs_dense_when_the_prefill_says_so():
         assert bool(model_lib.decode_runs_dense(cost_model, stats["nnz_mean"][0], 2))
 
 
+def test_first_token_routed_dense_is_the_dense_models_program(monkeypatch):
+    """On a GPU a prompt too short for the sparse path's fixed cost runs its FFN layers dense
+    by their shape: the first token's program (prefill, the layers' activity that the decode
+    loop's choice reads, sampling) is then the dense model's, statement for statement, so
+    the sparse model's first token costs what the dense model's does."""
+    from pallas_kernels import common as kernels_common
+    from twell_jax import dense, ffn
+    for module in (kernels_common, ffn, dense):
+        monkeypatch.setattr(module, "default_interpret", lambda: False)  # as on a GPU
+    prompts = jnp.ones((2, 48), jnp.int32)  # 96 token rows: past decode_rows
+    lengths = jnp.asarray([48, 40], jnp.int32)
+    programs = {}
+    for implementation in ("xla", "pallas"):
+        model = model_lib.build("tiny", seed=1, implementation=implementation)
+        cfg = model.cfg
+        assert ffn.path_for(implementation, prompts.size, cfg.d_model, cfg.d_ff,
+                            cfg.dtype) == "dense"
+        graphdef, state = nnx.split(model)
+        stop = jnp.zeros((cfg.vocab_size,), bool)
+        programs[implementation] = model_lib.generation_start.lower(
+            graphdef, state, prompts, lengths, jax.random.key(0), stop,
+            sampling=model_lib.Sampling(), cache_len=64,
+            stacked=model.stack_for_inference()).as_text(debug_info=False)
+    assert programs["pallas"] == programs["xla"]
+
+
 def test_decode_density_limit_depends_on_rows(monkeypatch):
     """With the cost model deciding (as compiled on a GPU), a decode loop at ~8% active units
     stays sparse for 1-4 rows, where the decode kernel's narrower slices still beat dense,
