@@ -546,17 +546,16 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     l1_ct = stats_ct.l1.astype(_F32) / r.x.shape[0]  # d(l1)/dh = sign(h) / M
     sizes = _backup_sizes(r.x.shape[0], config)
     # The lists' products run once, before the switch, not in each of its sparse branches:
-    # XLA compiles every Triton call on its own, so each branch's copy of the kernels cost
-    # compile time. When the batch went dense the lists are empty
+    # XLA compiles every Triton call on its own, so each branch's copy of the kernels would
+    # cost compile time. When the batch went dense the lists are empty
     # (``_twell_forward``) and these cost a few launches. Every branch ends in the cast of the
     # float32 dW to the output dtypes.
     lists = _list_grads(backend, gated, r, dy, l1_ct)
-    # dx's kernel runs in each sparse branch instead, as the forward's up/down does: passed
-    # into the switch and through it, dx was copied at the end of every branch in the models
-    # (7 of the 0.5b model's 8 layers, whose switches called clones of one set of branches;
-    # 67 MB, ~69 us a layer at M = 16384 on the H100). The kernel rounds dx to x.dtype
-    # itself: a float32 dx would be written, then read by a cast (~70 us per 0.5b layer on
-    # the H100).
+    # dx's kernel runs in each sparse branch instead, as the forward's up/down does: a dx
+    # passed into the switch and through it is copied at the end of every branch in the
+    # models, whose layers' switches call clones of one set of branches (67 MB a layer at
+    # M = 16384, D = 2048). The kernel rounds dx to x.dtype itself, so no float32 dx is
+    # written and then read again by a cast.
     def with_backup(index):
         dx = backend.row_dx(r.weights[-2],  # (w_gate, w_up, w_down) or (w_up, w_down)
                             r.weights[0] if gated else None, r.gate, *lists.entries, dy.dtype)

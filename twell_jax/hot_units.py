@@ -98,7 +98,7 @@ def select(active_sample: jax.Array, m: int, d_model: int, d_ff: int, itemsize: 
 
     # Most batches have no unit past the rate: for them one reduction and a branch that only
     # writes zeros instead of the choice's scan and scatters (~10 us of small launches on the
-    # H100; the saving did not show in the whole call's time, within the machines' spread).
+    # H100, below the spread of a whole call's time).
     return jax.lax.cond(jnp.max(counts) >= threshold, choose, none)
 
 

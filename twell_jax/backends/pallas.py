@@ -94,7 +94,7 @@ def _pack(x: jax.Array, w: jax.Array, bias: jax.Array | None, config: TwELLConfi
     if cost_decides:
         # Compiled, the cost model routes: a batch it clearly sends dense (a sample of rows
         # says so) skips the pack too. (M = 16384, 1% uniform: ~40% of the rows heavy, so not
-        # mostly heavy, yet dense by the cost model: the pack's read of ``pre`` was for nothing.)
+        # mostly heavy, yet dense by the cost model: packing it would read ``pre`` for nothing.)
         skipped = skipped | sampled_cost_says_dense(pre, config, f, d, itemsize,
                                                     exclude=exclude)
     values, columns, counts, row_total = row_pack(

@@ -78,7 +78,7 @@ CASES = {
         # A few units firing for most tokens: 64 on 85%, 0.4% of the others (76 per token).
         Case("m16k_hot64", 16384, 2048, 5632, "hot64", 54.4 + 0.004 * (5632 - 64)),
         Case("smoke_hot64", 2048, 256, 1024, "hot64", 54.4 + 0.01 * (1024 - 64)),
-        # The trained-model case: rows drawn from our 100m model's counts, x 5632 / 2560.
+        # Trained counts: rows drawn from our trained 100m model's counts, x 5632 / 2560.
         Case("m16k_trained", 16384, 2048, 5632, "trained", trained_mean(5632)),
         Case("m128k_uniform28", 131072, 2048, 5632, "uniform", 28.0),
         Case("wide_m16k_uniform", 16384, 4096, 14336, "uniform", 14336 * 28 / 5632),
