@@ -630,16 +630,17 @@ def test_calls_routed_dense_lower_to_the_dense_program(monkeypatch, differentiat
     """Where the shapes alone route "pallas" dense on a GPU (too few rows for the sparse
     path's fixed cost), it steps aside at no cost: the lowered program is "xla"'s, statement
     for statement, the statistics and gradients included (only ``stats.dense_fallback``
-    differs, a constant that says which path ran). (A differentiated decode-sized call runs
-    the dense function inside the sparse op's custom_vjp, which receives the L1 statistic's
-    cotangent as zeros: its lowered program carries the L1 term's few elementwise ops, which
-    XLA's simplifier folds away (the compiled programs' operations match). Not compared here.)"""
-    m = 1024
+    differs, a constant that says which path ran).
+
+    A differentiated decode-sized call is not compared: it runs the dense function inside the
+    sparse op's custom_vjp, which gets the L1 statistic's zero cotangent as an array, so its
+    lowered program holds a few elementwise ops more; XLA's simplifier folds them away (the
+    compiled programs have the same operations)."""
     import pallas_kernels.common
     from twell_jax import dense
     for module in (pallas_kernels.common, ffn, dense):
         monkeypatch.setattr(module, "default_interpret", lambda: False)  # as on a GPU
-    d, f = 2048, 5632
+    m, d, f = 1024, 2048, 5632
     assert ffn.path_for("pallas", m, d, f, jnp.bfloat16, differentiated=differentiated) == "dense"
 
     def program(implementation: str) -> str:
