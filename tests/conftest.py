@@ -7,6 +7,8 @@ first too) and is inherited by the subprocesses the tests start (they copy ``os.
 
 import os
 
+import pytest
+
 # A GPU machine (an NVIDIA device node), told apart before JAX starts.
 ON_GPU_MACHINE = os.path.exists("/dev/nvidia0")
 
@@ -38,3 +40,13 @@ if not ON_GPU_MACHINE and "--xla_backend_optimization_level" not in \
         os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    """The program as a GPU builds it: kernels compiled, the cost model and the few-row GEMV
+    in play (no GPU is needed to lower it; a CPU cannot run it)."""
+    import pallas_kernels.common
+    from twell_jax import dense, ffn
+    for module in (pallas_kernels.common, ffn, dense):
+        monkeypatch.setattr(module, "default_interpret", lambda: False)

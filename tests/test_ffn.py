@@ -625,7 +625,7 @@ def test_differentiated_small_calls_run_dense_autodiff_on_gpu(monkeypatch, gated
 
 @pytest.mark.parametrize("differentiated", [False, True])
 @pytest.mark.parametrize("return_stats", [False, True])
-def test_calls_routed_dense_lower_to_the_dense_program(monkeypatch, differentiated,
+def test_calls_routed_dense_lower_to_the_dense_program(compiled_kernels, differentiated,
                                                        return_stats):
     """Where the shapes alone route "pallas" dense on a GPU (too few rows for the sparse
     path's fixed cost), it steps aside at no cost: the lowered program is "xla"'s, statement
@@ -636,10 +636,6 @@ def test_calls_routed_dense_lower_to_the_dense_program(monkeypatch, differentiat
     sparse op's custom_vjp, which gets the L1 statistic's zero cotangent as an array, so its
     lowered program holds a few elementwise ops more; XLA's simplifier folds them away (the
     compiled programs have the same operations)."""
-    import pallas_kernels.common
-    from twell_jax import dense
-    for module in (pallas_kernels.common, ffn, dense):
-        monkeypatch.setattr(module, "default_interpret", lambda: False)  # as on a GPU
     m, d, f = 1024, 2048, 5632
     assert ffn.path_for("pallas", m, d, f, jnp.bfloat16, differentiated=differentiated) == "dense"
 

@@ -228,15 +228,12 @@ def test_decode_loop_runs_dense_when_the_prefill_says_so():
         assert bool(model_lib.decode_runs_dense(cost_model, stats["nnz_mean"][0], 2))
 
 
-def test_first_token_routed_dense_is_the_dense_models_program(monkeypatch):
+def test_first_token_routed_dense_is_the_dense_models_program(compiled_kernels):
     """On a GPU a prompt too short for the sparse path's fixed cost runs its FFN layers dense
     by their shape: the first token's program (prefill, the layers' activity that the decode
     loop's choice reads, sampling) is then the dense model's, statement for statement, so
     the sparse model's first token costs what the dense model's does."""
-    from pallas_kernels import common as kernels_common
-    from twell_jax import dense, ffn
-    for module in (kernels_common, ffn, dense):
-        monkeypatch.setattr(module, "default_interpret", lambda: False)  # as on a GPU
+    from twell_jax import ffn
     prompts = jnp.ones((2, 48), jnp.int32)  # 96 token rows: past decode_rows
     lengths = jnp.asarray([48, 40], jnp.int32)
     programs = {}

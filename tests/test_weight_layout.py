@@ -13,9 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels.common
 import twell_jax as tj
-from twell_jax import dense, ffn
 from tests.test_lowering import export_for_cuda
 from tests.utils import make_ffn_inputs
 
@@ -66,14 +64,6 @@ def casts_of_inputs(fn, args, positions: tuple[int, ...]) -> list[str]:
 
     walk(closed.jaxpr, {closed.jaxpr.invars[i] for i in positions})
     return found
-
-
-@pytest.fixture
-def compiled_kernels(monkeypatch):
-    """The program as a GPU builds it: kernels compiled, the cost model and the few-row GEMV
-    in play (no GPU is needed to lower it)."""
-    for module in (pallas_kernels.common, ffn, dense):
-        monkeypatch.setattr(module, "default_interpret", lambda: False)
 
 
 def _weights(dtype):
