@@ -17,6 +17,9 @@ the GPU idle and walk a row's ~28 units one dependent weight read after another.
 several slices, each program writes its partial sum and the wrapper adds the slices in order
 (deterministic); or ``scan_up_down_partial_sums`` leaves them [S, M, D] for a consumer that
 adds them itself (the model's decode step: ``add_rms_norm`` adds them into the residual).
+A single row has too few (row, slice) programs for a busy call, so there two programs share
+each, every one writing half of D (``ScanUpDownConfig.d_splits``; both read the units' whole
+w_up rows, for the up product).
 
 Within a chunk the active units are ranked (a prefix count) and taken ``group`` at a time: the
 group's rows of ``w_up_t`` and ``w_down`` are gathered as [group, D] tiles, so their reads are
@@ -49,6 +52,10 @@ EARLY_DOWN_MAX_GROUP = 4
 # rows, a busy call's time is set by how many programs walk its units at once.
 NARROW_SLICE_MAX_ROWS = 4
 NARROW_SLICE = 128
+# Calls of at most this many rows split D over two programs per (row, slice), each walking
+# its units in groups of SPLIT_D_GROUP: a busy call has twice the programs walking at once.
+SPLIT_D_MAX_ROWS = 1
+SPLIT_D_GROUP = 8
 
 
 class GatePartials(NamedTuple):
@@ -81,15 +88,16 @@ def _gate_chunk(pre_ref, bias_ref, row, col0, ok, width: int, n_parts: int, pre_
 
 
 def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: int,
-                         num_d_chunks: int, group: int, gated: bool, n_parts: int,
-                         has_bias: bool, pre_dtype):
+                         num_d_chunks: int, d_splits: int, group: int, gated: bool,
+                         n_parts: int, has_bias: bool, pre_dtype):
     """One program: row ``program_id(0)``, columns [s * block_f, +block_f) for s =
-    ``program_id(1)``.
+    ``program_id(1)``, output columns [k * D / d_splits, +D / d_splits) for k =
+    ``program_id(2)`` (the up product still reads whole rows of ``w_up_t``).
 
     Refs (whole arrays): pre [M, F] (``n_parts`` 0) or the gate's float32 partial sums
     [n_parts, M, F] and, with ``has_bias``, its bias [F]; [x [M, D], w_up_t [F, D]] (gated
-    only), w_down [F, D]; outputs y [S, M, D] and l1 [M, S] float32 (this program's partial
-    sums at [s, row] and [row, s]).
+    only), w_down [F, D]; outputs y [S, M, D] and l1 [M, S, d_splits] float32 (this program's
+    partial sums at [s, row, its columns] and [row, s, k]).
     """
     refs = list(refs)
     pre_ref = refs.pop(0)
@@ -100,16 +108,21 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         w_down_ref, y_ref, l1_ref = refs
     row = pl.program_id(0)
     part = pl.program_id(1)
+    split = pl.program_id(2)
     d_chunks = [pl.ds(c * block_d, block_d) for c in range(num_d_chunks)]
     d_cols = [c * block_d + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
               for c in range(num_d_chunks)]
+    # The D chunks of this program's output columns (all of them without a D split).
+    own_chunks = num_d_chunks // d_splits
+    own_cols = [(split * own_chunks + c) * block_d
+                + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1) for c in range(own_chunks)]
     lane = jax.lax.broadcasted_iota(jnp.int32, (scan_width,), 0)
     if gated:
         x_chunks = [x_ref[row, ch].astype(jnp.float32) for ch in d_chunks]
-    # Groups of up to EARLY_DOWN_MAX_GROUP gather their w_down rows before the up product's
-    # reduction, so those reads overlap the w_up rows' (as in row_up_down); larger groups
-    # would hold too many rows in registers through it (slower on the H100).
-    early_down = group <= EARLY_DOWN_MAX_GROUP
+    # Groups of up to EARLY_DOWN_MAX_GROUP whole rows gather their w_down rows before the up
+    # product's reduction, so those reads overlap the w_up rows' (as in row_up_down); larger
+    # groups would hold too many rows in registers through it (slower on the H100).
+    early_down = group <= EARLY_DOWN_MAX_GROUP * d_splits
 
     def unit_group(r, carry):
         """The chunk's active units of rank [r * group, +group): their rows of w_up_t and
@@ -122,16 +135,16 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         j = col0 + jnp.sum(jnp.where(pick, lane[None, :], 0), axis=1)  # in range when valid
         h = jnp.sum(jnp.where(pick, gate[None, :], 0.0), axis=1)  # 0 where not valid
         mask = jnp.broadcast_to(valid[:, None], (group, block_d))
-        rows = lambda ref, c: plgpu.load(ref.at[j[:, None], d_cols[c]], mask=mask,
-                                         other=0).astype(jnp.float32)
-        down_rows = lambda: [rows(w_down_ref, c) for c in range(num_d_chunks)]
+        rows = lambda ref, cols: plgpu.load(ref.at[j[:, None], cols], mask=mask,
+                                            other=0).astype(jnp.float32)
+        down_rows = lambda: [rows(w_down_ref, cols) for cols in own_cols]
         if early_down:
             down = down_rows()
         if gated:
             # Sum the D chunks' products first: one cross-thread reduction per group.
-            prod = rows(w_up_ref, 0) * x_chunks[0][None, :]
+            prod = rows(w_up_ref, d_cols[0]) * x_chunks[0][None, :]
             for c in range(1, num_d_chunks):
-                prod = prod + rows(w_up_ref, c) * x_chunks[c][None, :]
+                prod = prod + rows(w_up_ref, d_cols[c]) * x_chunks[c][None, :]
             h = h * jnp.sum(prod, axis=1)
         if not early_down:
             down = down_rows()
@@ -149,13 +162,13 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         groups = (jnp.sum(p) + group - 1) // group
         return jax.lax.fori_loop(0, groups, unit_group, (col0, gate, active, rank, *carry))[4:]
 
-    zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in d_chunks)
+    zeros = tuple(jnp.zeros((block_d,), jnp.float32) for _ in own_cols)
     # Only the chunks that hold columns < F (all of them but in the last slice).
     num_chunks = -(-min(block_f, f) // scan_width)
     accs, l1 = jax.lax.fori_loop(0, num_chunks, chunk_step, (zeros, jnp.float32(0.0)))
-    for acc, ch in zip(accs, d_chunks):
-        y_ref[part, row, ch] = acc
-    l1_ref[row, part] = l1
+    for c, acc in enumerate(accs):
+        y_ref[part, row, pl.ds((split * own_chunks + c) * block_d, block_d)] = acc
+    l1_ref[row, part, split] = l1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,6 +182,10 @@ class ScanUpDownConfig:
       num_warps: Triton warps per program.
       group: active units handled together (power of two): their weight rows are gathered
         as [group, block_d] tiles, one group after another.
+      d_splits: programs sharing one (row, slice) (power of two), each writing D / d_splits
+        output columns: more programs walk a busy call's units at once, each with a larger
+        group in the same registers, at the cost of reading the units' w_up rows d_splits
+        times (from the L2 after the first). D must be a multiple of block_d * d_splits.
     """
 
     block_f: int = 128
@@ -176,9 +193,11 @@ class ScanUpDownConfig:
     block_d: int = 2048
     num_warps: int = 4
     group: int = 4
+    d_splits: int = 1
 
     def __post_init__(self):
-        check_config(self, ("block_f", "scan_width", "block_d", "num_warps", "group"))
+        check_config(self, ("block_f", "scan_width", "block_d", "num_warps", "group",
+                            "d_splits"))
         if self.scan_width > self.block_f:
             raise ValueError(f"scan_width={self.scan_width} must be <= block_f={self.block_f}")
 
@@ -188,7 +207,15 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     ``NARROW_SLICE_MAX_ROWS`` rows), fewer when ~700 programs (about 5 per SM of an H100) need
     no more; scans of up to 512 columns; units in groups of 4 (one row, or 512-column slices)
     or 8; 8 warps at D >= 2048 (4 for one row or 512-column slices). D chunks as in
-    ``row_up_down``: the widest power of two <= 2048.
+    ``row_up_down``: the widest power of two <= 2048; for at most ``SPLIT_D_MAX_ROWS`` rows
+    and D a multiple of 2048, two programs per (row, slice), 1024-column D chunks and groups
+    of ``SPLIT_D_GROUP``.
+
+    The D split, measured on an H200: one row 8-22% faster from 5% to 50% active at D = 2048
+    (50%: 44.6-45.2 -> 35.1-35.6 us) and 4-10% at D = 4096, for 0.4-0.9 us (1-5%) more at
+    0.5% in an on-device loop; at 2 rows it gained 3-9% at D = 2048 but lost 9-32% at D = 4096, from 4 rows on it
+    lost, and four splits lost everywhere (each split reads the units' w_up rows again)
+    (benchmarks/LOG.md).
 
     Slices for at most ``NARROW_SLICE_MAX_ROWS`` rows are narrower because a busy call of so
     few rows is bound by how many programs walk its units at once (one row at 50% active: 1.6x
@@ -203,11 +230,14 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     min_width = NARROW_SLICE if m <= NARROW_SLICE_MAX_ROWS else 256
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // min_width)))
     block_f = max(min_width, 1 << (-(-f // slices) - 1).bit_length())
+    split_d = m <= SPLIT_D_MAX_ROWS and d % 2048 == 0
     return ScanUpDownConfig(block_f=block_f, scan_width=min(block_f, 512),
-                            block_d=largest_pow2_divisor(d, 2048),
+                            block_d=1024 if split_d else largest_pow2_divisor(d, 2048),
                             num_warps=max(1, min(4 if block_f >= 512 or m == 1 else 8,
                                                  d // 256)),
-                            group=8 if 1 < m and block_f < 512 else 4)
+                            group=(SPLIT_D_GROUP if split_d
+                                   else 8 if 1 < m and block_f < 512 else 4),
+                            d_splits=2 if split_d else 1)
 
 
 def _check_args(pre, x, w_up_t, w_down, gated: bool) -> tuple[int, int, int]:
@@ -283,28 +313,29 @@ def scan_up_down_partial_sums(
     gated = x is not None
     m, d, f = _check_args(pre, x, w_up_t, w_down, gated)
     config = default_scan_up_down_config(m, d, f) if config is None else config
-    if d % config.block_d:
-        raise ValueError(f"D={d} is not a multiple of block_d={config.block_d}")
+    if d % (config.block_d * config.d_splits):
+        raise ValueError(f"D={d} is not a multiple of block_d={config.block_d} x "
+                         f"d_splits={config.d_splits}")
     slices = -(-f // config.block_f)
     parts = isinstance(pre, GatePartials)
     has_bias = parts and pre.bias is not None
     kernel = functools.partial(_scan_up_down_kernel, f=f, block_f=config.block_f,
                                scan_width=config.scan_width, block_d=config.block_d,
-                               num_d_chunks=d // config.block_d, group=config.group,
-                               gated=gated, n_parts=pre.sums.shape[0] if parts else 0,
+                               num_d_chunks=d // config.block_d, d_splits=config.d_splits,
+                               group=config.group, gated=gated, n_parts=pre.sums.shape[0] if parts else 0,
                                has_bias=has_bias, pre_dtype=jnp.dtype(pre.dtype))
     gate = (pre.sums, *((pre.bias,) if has_bias else ())) if parts else (pre,)
     inputs = (*gate, x, w_up_t, w_down) if gated else (*gate, w_down)
     y_parts, l1_parts = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((slices, m, d), jnp.float32),
-                   jax.ShapeDtypeStruct((m, slices), jnp.float32)),
-        grid=(m, slices),
+                   jax.ShapeDtypeStruct((m, slices, config.d_splits), jnp.float32)),
+        grid=(m, slices, config.d_splits),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=resolve_interpret(interpret),
         name="twell_scan_up_down",
     )(*inputs)
-    return y_parts, jnp.sum(l1_parts, axis=1)
+    return y_parts, jnp.sum(l1_parts[:, :, 0], axis=1)  # every split computes the same l1
 
 
 def scan_up_down_reference(

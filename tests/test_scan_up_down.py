@@ -3,6 +3,8 @@ jnp reference, in interpret mode on the CPU (compiled on a GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import numpy as np
@@ -110,6 +112,35 @@ def test_unit_group_sizes_agree(gated):
         assert_close(l1, want_l1, jnp.float32, what=f"l1, {what}")
 
 
+@pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "nongated"])
+def test_d_splits_give_the_same_bits(gated):
+    """Programs sharing a (row, slice), each writing a part of D (with groups as large as the
+    registers allow): the y and l1 of one program per (row, slice) bit for bit (the same units,
+    in the same order, per output column), and against numpy, on rows from empty to full."""
+    rng = np.random.default_rng(seed_of("scan_up_down_d_splits", gated))
+    pre, x, w_up_t, w_down = make_inputs(6, 128, 300, "heavy", jnp.bfloat16, rng)
+    args = [jnp.asarray(a, jnp.bfloat16) for a in (pre, x, w_up_t, w_down)]
+    if not gated:
+        args[1] = args[2] = None
+    base = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1, group=2)
+    want_y, want_l1 = scan_up_down(*args, out_dtype=jnp.float32, config=base)
+    numpy_y, numpy_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, gated)
+    assert_close(want_y, numpy_y, jnp.float32, what="y without a D split vs numpy")
+    assert_close(want_l1, numpy_l1, jnp.float32, what="l1 without a D split vs numpy")
+    for splits, group in [(2, 2), (4, 8)]:
+        config = dataclasses.replace(base, d_splits=splits, group=group)
+        y, l1 = scan_up_down(*args, out_dtype=jnp.float32, config=config)
+        assert_close(y, numpy_y, jnp.float32, what=f"y, d_splits={splits} vs numpy")
+        if group == base.group:
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
+            np.testing.assert_array_equal(np.asarray(l1), np.asarray(want_l1))
+        assert_close(l1, numpy_l1, jnp.float32, what=f"l1, d_splits={splits} vs numpy")
+    with pytest.raises(ValueError, match="d_splits=8"):
+        scan_up_down(*args, config=dataclasses.replace(base, d_splits=8))
+    with pytest.raises(ValueError, match="power of two"):
+        dataclasses.replace(base, d_splits=3)
+
+
 @pytest.mark.parametrize("dtype", F32_ONLY)
 @pytest.mark.parametrize("gated", [True, slow(False)], ids=["gated", "nongated"])
 @pytest.mark.parametrize("splits,bias", [(3, True), slow(1, True), slow(2, False)])
@@ -192,11 +223,16 @@ def test_scan_up_down_propagates_nan():
 
 
 def test_default_config_at_decode_sizes():
-    """The slices and groups measured fastest on the H100."""
-    for m, slices, group in [(1, 44, 4), (4, 44, 8), (8, 22, 8), (64, 11, 4), (4096, 1, 4)]:
+    """The slices and groups measured fastest on the H100, and the D split for one row
+    measured on an H200 (only where D is a multiple of 2048)."""
+    for m, slices, group, splits in [(1, 44, 8, 2), (2, 44, 8, 1), (4, 44, 8, 1),
+                                     (8, 22, 8, 1), (64, 11, 4, 1), (4096, 1, 4, 1)]:
         config = default_scan_up_down_config(m, 2048, 5632)
         assert -(-5632 // config.block_f) == slices and config.group == group, (m, config)
-        assert config.scan_width <= config.block_f and config.block_d == 2048
+        assert config.d_splits == splits and config.block_d * splits == 2048, (m, config)
+        assert config.scan_width <= config.block_f
+    assert default_scan_up_down_config(1, 4096, 14336).d_splits == 2
+    assert default_scan_up_down_config(1, 1536, 4096).d_splits == 1
 
 
 def test_scan_up_down_rejects_bad_input():

@@ -23,7 +23,6 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -33,7 +32,7 @@ import numpy as np
 import pallas_kernels.gemv as gemv_module
 import pallas_kernels.scan_up_down as scan_module
 import twell_jax as tj
-from twell_jax import xla_flags
+from twell_jax import cli, xla_flags
 from twell_jax.benchmarking.ffn_cases import Case, decode_loop, make_case_inputs, unrolled_calls
 
 LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS = 100, 4, 8
@@ -126,8 +125,7 @@ def main(argv=None) -> list[dict]:
 
 def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[dict]:
     """Times every case, one JSON line each to ``out`` after a header."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = cli.commit()
     out.write(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                           "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                           "commit": commit, "command": " ".join(sys.argv)}) + "\n")

@@ -78,14 +78,19 @@ def flag_parser(config_cls, description: str, *, underscore_aliases: bool = Fals
 
 def commit() -> str:
     """TWELL_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git),
-    else git's HEAD."""
+    else git's HEAD, with "+changes" when tracked files differ from it (a result from an
+    uncommitted tree says so)."""
     if os.environ.get("TWELL_COMMIT"):
         return os.environ["TWELL_COMMIT"]
+    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True)
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("TWELL_COMMIT", "unknown")
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode:
+            return "unknown"
+        changed = git("diff", "--quiet", "HEAD").returncode == 1
+        return head.stdout.strip() + ("+changes" if changed else "")
+    except OSError:
+        return "unknown"
 
 
 def header(command: str, **fields) -> dict:
