@@ -213,9 +213,9 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
 
     The D split, measured on an H200: one row 8-22% faster from 5% to 50% active at D = 2048
     (50%: 44.6-45.2 -> 35.1-35.6 us) and 4-10% at D = 4096, for 0.4-0.9 us (1-5%) more at
-    0.5% in an on-device loop; at 2 rows it gained 3-9% at D = 2048 but lost 9-32% at D = 4096, from 4 rows on it
-    lost, and four splits lost everywhere (each split reads the units' w_up rows again)
-    (benchmarks/LOG.md).
+    0.5% in an on-device loop. Two rows gained 0-9% at D = 2048 but lost 9-51% at D = 4096;
+    from 4 rows on, and with four splits, it lost everywhere (each split reads the units'
+    w_up rows again; benchmarks/LOG.md).
 
     Slices for at most ``NARROW_SLICE_MAX_ROWS`` rows are narrower because a busy call of so
     few rows is bound by how many programs walk its units at once (one row at 50% active: 1.6x
@@ -322,7 +322,8 @@ def scan_up_down_partial_sums(
     kernel = functools.partial(_scan_up_down_kernel, f=f, block_f=config.block_f,
                                scan_width=config.scan_width, block_d=config.block_d,
                                num_d_chunks=d // config.block_d, d_splits=config.d_splits,
-                               group=config.group, gated=gated, n_parts=pre.sums.shape[0] if parts else 0,
+                               group=config.group, gated=gated,
+                               n_parts=pre.sums.shape[0] if parts else 0,
                                has_bias=has_bias, pre_dtype=jnp.dtype(pre.dtype))
     gate = (pre.sums, *((pre.bias,) if has_bias else ())) if parts else (pre,)
     inputs = (*gate, x, w_up_t, w_down) if gated else (*gate, w_down)
