@@ -119,9 +119,10 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     lane = jax.lax.broadcasted_iota(jnp.int32, (scan_width,), 0)
     if gated:
         x_chunks = [x_ref[row, ch].astype(jnp.float32) for ch in d_chunks]
-    # Groups of up to EARLY_DOWN_MAX_GROUP whole rows gather their w_down rows before the up
-    # product's reduction, so those reads overlap the w_up rows' (as in row_up_down); larger
-    # groups would hold too many rows in registers through it (slower on the H100).
+    # Groups whose w_down reads add up to at most EARLY_DOWN_MAX_GROUP whole rows (a D split
+    # reads part of each) gather them before the up product's reduction, so those reads
+    # overlap the w_up rows' (as in row_up_down); more would hold too many rows in registers
+    # through it (slower on the H100).
     early_down = group <= EARLY_DOWN_MAX_GROUP * d_splits
 
     def unit_group(r, carry):

@@ -4,7 +4,6 @@ jnp reference, in interpret mode on the CPU (compiled on a GPU)."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 
 import numpy as np
