@@ -234,6 +234,27 @@ def test_default_config_at_decode_sizes():
     assert default_scan_up_down_config(1, 1536, 4096).d_splits == 1
 
 
+def test_default_d_split_for_one_row_at_d_2048():
+    """The default config's D split (one row, D 2048) on the kernel: one slice empty, one with
+    a few units, one busy, against numpy."""
+    d, f = 2048, 384
+    config = default_scan_up_down_config(1, d, f)
+    assert config.d_splits == 2
+    rng = np.random.default_rng(seed_of("scan_up_down_default_d_split"))
+    pre = -np.abs(rng.standard_normal((1, f))) - 0.1
+    pre[0, 128 + rng.choice(128, 3, replace=False)] = rng.uniform(0.1, 1.0, 3)
+    pre[0, 256:] = rng.uniform(0.1, 1.0, 128)
+    cast = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+    pre, x = cast(pre), cast(rng.standard_normal((1, d)))
+    w_up_t = cast(rng.standard_normal((f, d)) / np.sqrt(d))
+    w_down = cast(rng.standard_normal((f, d)) / np.sqrt(f))
+    y, l1 = scan_up_down(*(jnp.asarray(a, jnp.bfloat16) for a in (pre, x, w_up_t, w_down)),
+                         out_dtype=jnp.float32)
+    want, want_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, True)
+    assert_close(y, want, jnp.float32, what="y, default D split")
+    assert_close(l1, want_l1, jnp.float32, what="l1, default D split")
+
+
 def test_scan_up_down_rejects_bad_input():
     pre, x = jnp.zeros((4, 256)), jnp.zeros((4, 64))
     w = jnp.zeros((256, 64))
