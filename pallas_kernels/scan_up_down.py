@@ -110,12 +110,12 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     part = pl.program_id(1)
     split = pl.program_id(2)
     d_chunks = [pl.ds(c * block_d, block_d) for c in range(num_d_chunks)]
-    d_cols = [c * block_d + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
-              for c in range(num_d_chunks)]
-    # The D chunks of this program's output columns (all of them without a D split).
+    d_iota = jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
+    d_cols = [c * block_d + d_iota for c in range(num_d_chunks)]
+    # The first columns of this program's output chunks (all of D without a D split).
     own_chunks = num_d_chunks // d_splits
-    own_cols = [(split * own_chunks + c) * block_d
-                + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1) for c in range(own_chunks)]
+    own_starts = [(split * own_chunks + c) * block_d for c in range(own_chunks)]
+    own_cols = [start + d_iota for start in own_starts]
     lane = jax.lax.broadcasted_iota(jnp.int32, (scan_width,), 0)
     if gated:
         x_chunks = [x_ref[row, ch].astype(jnp.float32) for ch in d_chunks]
@@ -167,8 +167,8 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     # Only the chunks that hold columns < F (all of them but in the last slice).
     num_chunks = -(-min(block_f, f) // scan_width)
     accs, l1 = jax.lax.fori_loop(0, num_chunks, chunk_step, (zeros, jnp.float32(0.0)))
-    for c, acc in enumerate(accs):
-        y_ref[part, row, pl.ds((split * own_chunks + c) * block_d, block_d)] = acc
+    for start, acc in zip(own_starts, accs):
+        y_ref[part, row, pl.ds(start, block_d)] = acc
     l1_ref[row, part, split] = l1
 
 

@@ -124,12 +124,15 @@ def test_d_splits_give_the_same_bits(gated):
     base = ScanUpDownConfig(block_f=128, scan_width=64, block_d=32, num_warps=1, group=2)
     want_y, want_l1 = scan_up_down(*args, out_dtype=jnp.float32, config=base)
     numpy_y, numpy_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, gated)
+    ref_y, ref_l1 = scan_up_down_reference(*args, out_dtype=jnp.float32)
     assert_close(want_y, numpy_y, jnp.float32, what="y without a D split vs numpy")
     assert_close(want_l1, numpy_l1, jnp.float32, what="l1 without a D split vs numpy")
     for splits, group in [(2, 2), (4, 8)]:
         config = dataclasses.replace(base, d_splits=splits, group=group)
         y, l1 = scan_up_down(*args, out_dtype=jnp.float32, config=config)
         assert_close(y, numpy_y, jnp.float32, what=f"y, d_splits={splits} vs numpy")
+        assert_close(y, ref_y, jnp.float32, what=f"y, d_splits={splits} vs the reference")
+        assert_close(l1, ref_l1, jnp.float32, what=f"l1, d_splits={splits} vs the reference")
         if group == base.group:
             np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
             np.testing.assert_array_equal(np.asarray(l1), np.asarray(want_l1))
@@ -248,11 +251,14 @@ def test_default_d_split_for_one_row_at_d_2048():
     pre, x = cast(pre), cast(rng.standard_normal((1, d)))
     w_up_t = cast(rng.standard_normal((f, d)) / np.sqrt(d))
     w_down = cast(rng.standard_normal((f, d)) / np.sqrt(f))
-    y, l1 = scan_up_down(*(jnp.asarray(a, jnp.bfloat16) for a in (pre, x, w_up_t, w_down)),
-                         out_dtype=jnp.float32)
+    args = [jnp.asarray(a, jnp.bfloat16) for a in (pre, x, w_up_t, w_down)]
+    y, l1 = scan_up_down(*args, out_dtype=jnp.float32)
     want, want_l1 = numpy_scan_up_down(pre, x, w_up_t, w_down, True)
     assert_close(y, want, jnp.float32, what="y, default D split")
     assert_close(l1, want_l1, jnp.float32, what="l1, default D split")
+    ref, ref_l1 = scan_up_down_reference(*args, out_dtype=jnp.float32)
+    assert_close(y, ref, jnp.float32, what="y, default D split vs the reference")
+    assert_close(l1, ref_l1, jnp.float32, what="l1, default D split vs the reference")
 
 
 def test_scan_up_down_rejects_bad_input():

@@ -13,14 +13,14 @@ a decode loop runs its layers) and as 8 calls on distinct weight sets unrolled i
 user's program makes them). The variants are timed in turn, ``--reps`` times, and the medians are
 reported in microseconds per call; uniform rows with ``--nnz`` active units of F on average,
 or ``--heavy`` rows (60 on average, p99 580). One JSON line per case goes to ``--out``, after
-a header with the date, device, jax version, commit and command.
+the header every benchmark writes (``twell_jax.cli.header``: date, device, jax version,
+commit, command, XLA flags).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import sys
@@ -125,10 +125,7 @@ def main(argv=None) -> list[dict]:
 
 def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[dict]:
     """Times every case, one JSON line each to ``out`` after a header."""
-    commit = cli.commit()
-    out.write(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                          "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                          "commit": commit, "command": " ".join(sys.argv)}) + "\n")
+    out.write(json.dumps(cli.header(" ".join(sys.argv))) + "\n")
     rows = []
     cases = [("uniform", float(n), None) for n in args.nnz.split(",")]
     if args.heavy:
