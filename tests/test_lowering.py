@@ -108,6 +108,9 @@ def test_row_up_down_lowers(gated, config):
     ScanUpDownConfig(block_f=512, scan_width=256, block_d=128, num_warps=8),
     # The default's shape at M = 64, D = 2048, F = 5632 (512-column slices, 4 warps).
     ScanUpDownConfig(block_f=512, scan_width=512, block_d=128, num_warps=4, group=4),
+    # The default's shape for one row at D = 2048: D split over two programs per slice.
+    ScanUpDownConfig(block_f=128, scan_width=128, block_d=128, num_warps=4, group=8,
+                     d_splits=2),
 ])
 @pytest.mark.parametrize("m", [1, 64])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
