@@ -52,9 +52,11 @@ EARLY_DOWN_MAX_GROUP = 4
 # rows, a busy call's time is set by how many programs walk its units at once.
 NARROW_SLICE_MAX_ROWS = 4
 NARROW_SLICE = 128
-# Calls of at most this many rows split D over two programs per (row, slice), each walking
-# its units in groups of SPLIT_D_GROUP: a busy call has twice the programs walking at once.
-SPLIT_D_MAX_ROWS = 1
+# Calls with at most this many (row, slice) programs, fewer than an H100 or H200 has SMs,
+# split D over two programs per (row, slice), each walking its units in groups of
+# SPLIT_D_GROUP: a busy call has twice the programs walking at once. With more, the GPU is
+# already full and the split only adds a second read of each w_up row.
+SPLIT_D_MAX_PROGRAMS = 128
 SPLIT_D_GROUP = 8
 
 
@@ -208,15 +210,16 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     ``NARROW_SLICE_MAX_ROWS`` rows), fewer when ~700 programs (about 5 per SM of an H100) need
     no more; scans of up to 512 columns; units in groups of 4 (one row, or 512-column slices)
     or 8; 8 warps at D >= 2048 (4 for one row or 512-column slices). D chunks as in
-    ``row_up_down``: the widest power of two <= 2048; for at most ``SPLIT_D_MAX_ROWS`` rows
-    and D a multiple of 2048, two programs per (row, slice), 1024-column D chunks and groups
-    of ``SPLIT_D_GROUP``.
+    ``row_up_down``: the widest power of two <= 2048; for at most ``SPLIT_D_MAX_PROGRAMS``
+    (row, slice) pairs and D a multiple of 2048, two programs per pair, 1024-column D chunks
+    and groups of ``SPLIT_D_GROUP``.
 
     The D split, measured on an H200: one row 8-22% faster from 5% to 50% active at D = 2048
     (50%: 44.6-45.2 -> 35.1-35.6 us) and 4-10% at D = 4096, for 0.4-0.9 us (1-5%) more at
-    0.5% in an on-device loop. Two rows gained 0-9% at D = 2048 but lost 9-51% at D = 4096;
-    from 4 rows on, and with four splits, it lost everywhere (each split reads the units'
-    w_up rows again; benchmarks/LOG.md).
+    0.5% in an on-device loop; two rows (88 pairs at F = 5632) 3-9% faster from 5% active, equal at 0.5%.
+    Where the pairs already outnumber the SMs it lost: two rows at D = 4096, F = 14336 (224
+    pairs) by 9-51%, 4 rows and more at D = 2048 (176 pairs and more) by up to 70%, as each
+    split reads the units' w_up rows again; four splits lost everywhere (benchmarks/LOG.md).
 
     Slices for at most ``NARROW_SLICE_MAX_ROWS`` rows are narrower because a busy call of so
     few rows is bound by how many programs walk its units at once (one row at 50% active: 1.6x
@@ -231,7 +234,7 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     min_width = NARROW_SLICE if m <= NARROW_SLICE_MAX_ROWS else 256
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // min_width)))
     block_f = max(min_width, 1 << (-(-f // slices) - 1).bit_length())
-    split_d = m <= SPLIT_D_MAX_ROWS and d % 2048 == 0
+    split_d = m * -(-f // block_f) <= SPLIT_D_MAX_PROGRAMS and d % 2048 == 0
     return ScanUpDownConfig(block_f=block_f, scan_width=min(block_f, 512),
                             block_d=1024 if split_d else largest_pow2_divisor(d, 2048),
                             num_warps=max(1, min(4 if block_f >= 512 or m == 1 else 8,

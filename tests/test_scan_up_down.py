@@ -225,15 +225,17 @@ def test_scan_up_down_propagates_nan():
 
 
 def test_default_config_at_decode_sizes():
-    """The slices and groups measured fastest on the H100, and the D split for one row
-    measured on an H200 (only where D is a multiple of 2048)."""
-    for m, slices, group, splits in [(1, 44, 8, 2), (2, 44, 8, 1), (4, 44, 8, 1),
-                                     (8, 22, 8, 1), (64, 11, 4, 1), (4096, 1, 4, 1)]:
+    """The slices and groups measured fastest on the H100, and the D split measured on an
+    H200: where the (row, slice) pairs are fewer than the SMs and D is a multiple of 2048."""
+    for m, slices, group, splits in [(1, 44, 8, 2), (2, 44, 8, 2), (3, 44, 8, 1),
+                                     (4, 44, 8, 1), (8, 22, 8, 1), (64, 11, 4, 1),
+                                     (4096, 1, 4, 1)]:
         config = default_scan_up_down_config(m, 2048, 5632)
         assert -(-5632 // config.block_f) == slices and config.group == group, (m, config)
         assert config.d_splits == splits and config.block_d * splits == 2048, (m, config)
         assert config.scan_width <= config.block_f
-    assert default_scan_up_down_config(1, 4096, 14336).d_splits == 2
+    assert default_scan_up_down_config(1, 4096, 14336).d_splits == 2  # 112 pairs
+    assert default_scan_up_down_config(2, 4096, 14336).d_splits == 1  # 224 pairs
     assert default_scan_up_down_config(1, 1536, 4096).d_splits == 1
 
 
