@@ -208,15 +208,15 @@ class ScanUpDownConfig:
 def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     """F split into power-of-two slices of at least 256 columns (128 for at most
     ``NARROW_SLICE_MAX_ROWS`` rows), fewer when ~700 programs (about 5 per SM of an H100) need
-    no more; scans of up to 512 columns; units in groups of 4 (one row, or 512-column slices)
-    or 8; 8 warps at D >= 2048 (4 for one row or 512-column slices). D chunks as in
-    ``row_up_down``: the widest power of two <= 2048; for at most ``SPLIT_D_MAX_PROGRAMS``
-    (row, slice) pairs and D a multiple of 2048, two programs per pair, 1024-column D chunks
-    and groups of ``SPLIT_D_GROUP``.
+    no more; scans of up to 512 columns. D chunks as in ``row_up_down``: the widest power of
+    two <= 2048. For at most ``SPLIT_D_MAX_PROGRAMS`` (row, slice) pairs and D a multiple of
+    2048, two programs per pair, 1024-column D chunks and groups of ``SPLIT_D_GROUP`` (on 4
+    warps for one row, 8 for more, as measured); otherwise groups of 4 on 4 warps.
 
     The D split, measured on an H200: one row 8-22% faster from 5% to 50% active at D = 2048
     (50%: 44.6-45.2 -> 35.1-35.6 us) and 4-10% at D = 4096, for 0.4-0.9 us (1-5%) more at
-    0.5% in an on-device loop; two rows (88 pairs at F = 5632) 3-9% faster from 5% active, equal at 0.5%.
+    0.5% in an on-device loop; two rows (88 pairs at F = 5632) 3-9% faster from 5% active,
+    equal at 0.5%.
     Where the pairs already outnumber the SMs it lost: two rows at D = 4096, F = 14336 (224
     pairs) by 9-51%, 4 rows and more at D = 2048 (176 pairs and more) by up to 70%, as each
     split reads the units' w_up rows again; four splits lost everywhere (benchmarks/LOG.md).
@@ -227,20 +227,20 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     the same; from 8 rows on, the narrower slices' extra partial sums cost the design point
     (docs/performance.md, "Decode-sized calls").
 
-    The 4 warps for one row and 512-column slices: their programs walk a few units each, so
-    fewer threads wait on each cross-warp reduction. These warps, groups and widths were the
-    fastest measured on the H100 at the design point (benchmarks/LOG.md); at 64 rows
-    256-column slices and groups of 8 favour heavy-tailed rows but cost uniform ones more."""
+    Groups of 4 on 4 warps for the unsplit programs: on an H200 they beat groups of 8 on 8
+    warps at every measured case of 4-32 rows (0.5% active 6-15% faster, 2% 2-7%, 20% 8-15%,
+    the trained model's counts 7-11%, heavy-tailed rows at 8 rows 6%): fewer threads wait on
+    each cross-warp reduction, and more programs fit on an SM. At 64 rows 256-column slices
+    and groups of 8 favour heavy-tailed rows but cost uniform ones more (H100)."""
     min_width = NARROW_SLICE if m <= NARROW_SLICE_MAX_ROWS else 256
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // min_width)))
     block_f = max(min_width, 1 << (-(-f // slices) - 1).bit_length())
     split_d = m * -(-f // block_f) <= SPLIT_D_MAX_PROGRAMS and d % 2048 == 0
+    warps = 8 if split_d and m > 1 else 4
     return ScanUpDownConfig(block_f=block_f, scan_width=min(block_f, 512),
                             block_d=1024 if split_d else largest_pow2_divisor(d, 2048),
-                            num_warps=max(1, min(4 if block_f >= 512 or m == 1 else 8,
-                                                 d // 256)),
-                            group=(SPLIT_D_GROUP if split_d
-                                   else 8 if 1 < m and block_f < 512 else 4),
+                            num_warps=max(1, min(warps, d // 256)),
+                            group=SPLIT_D_GROUP if split_d else 4,
                             d_splits=2 if split_d else 1)
 
 

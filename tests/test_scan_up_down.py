@@ -225,13 +225,16 @@ def test_scan_up_down_propagates_nan():
 
 
 def test_default_config_at_decode_sizes():
-    """The slices and groups measured fastest on the H100, and the D split measured on an
-    H200: where the (row, slice) pairs are fewer than the SMs and D is a multiple of 2048."""
-    for m, slices, group, splits in [(1, 44, 8, 2), (2, 44, 8, 2), (3, 44, 8, 1),
-                                     (4, 44, 8, 1), (8, 22, 8, 1), (64, 11, 4, 1),
-                                     (4096, 1, 4, 1)]:
+    """The slices measured fastest on the H100, the D split where the (row, slice) pairs are
+    fewer than the SMs and D is a multiple of 2048, and the groups and warps measured on an
+    H200 (split programs of one row on 4 warps, of more rows on 8, the others on 4)."""
+    for m, slices, group, splits, warps in [(1, 44, 8, 2, 4), (2, 44, 8, 2, 8),
+                                            (3, 44, 4, 1, 4), (4, 44, 4, 1, 4),
+                                            (8, 22, 4, 1, 4), (32, 22, 4, 1, 4),
+                                            (64, 11, 4, 1, 4), (4096, 1, 4, 1, 4)]:
         config = default_scan_up_down_config(m, 2048, 5632)
         assert -(-5632 // config.block_f) == slices and config.group == group, (m, config)
+        assert config.num_warps == warps, (m, config)
         assert config.d_splits == splits and config.block_d * splits == 2048, (m, config)
         assert config.scan_width <= config.block_f
     assert default_scan_up_down_config(1, 4096, 14336).d_splits == 2  # 112 pairs
@@ -293,15 +296,17 @@ def test_scan_up_down_rejects_bad_input():
         scan_up_down(GatePartials(jnp.zeros((2, 4, 256)), jnp.zeros(128), jnp.float32), x, w, w)
 
 
-@pytest.mark.slow  # ~15 s on 2 cores: six jitted calls in interpret mode
+@pytest.mark.slow  # ~30 s on 2 cores: twelve jitted calls in interpret mode
 def test_probe_script_times_every_variant(tmp_path):
-    """``tools/probe_decode_scan.py --smoke``: the default config, a variant and the dense FFN
-    timed in both ways, after a header that names the command."""
+    """``tools/probe_decode_scan.py --smoke --trained``: the default config, a variant and the
+    dense FFN timed in both ways on uniform rows and on rows with the trained model's counts,
+    after a header that names the command."""
     with load_experiment("probe_decode_scan") as probe:
-        rows = probe.main(["--smoke", "--out", str(tmp_path / "probe.jsonl")])
-    assert len(rows) == 1
-    for mode in ("loop", "unrolled"):
-        assert set(rows[0][mode]) == {"default", "group=2", "dense"}
-        assert all(v["median_us"] > 0 for v in rows[0][mode].values())
+        rows = probe.main(["--smoke", "--trained", "--out", str(tmp_path / "probe.jsonl")])
+    assert [r["pattern"] for r in rows] == ["uniform", "trained"]
+    for row in rows:
+        for mode in ("loop", "unrolled"):
+            assert set(row[mode]) == {"default", "group=2", "dense"}
+            assert all(v["median_us"] > 0 for v in row[mode].values())
     header = json.loads((tmp_path / "probe.jsonl").read_text().splitlines()[0])
     assert {"date", "device", "jax", "commit", "command"} <= set(header)

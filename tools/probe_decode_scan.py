@@ -12,7 +12,8 @@ beside the dense FFN (``"xla"``): inside an on-device loop of 100 steps over 4 w
 a decode loop runs its layers) and as 8 calls on distinct weight sets unrolled in one jit (as a
 user's program makes them). The variants are timed in turn, ``--reps`` times, and the medians are
 reported in microseconds per call; uniform rows with ``--nnz`` active units of F on average,
-or ``--heavy`` rows (60 on average, p99 580). One JSON line per case goes to ``--out``, after
+``--heavy`` rows (60 on average, p99 580) or ``--trained`` rows (drawn from the trained 100m
+model's counts, scaled to F). One JSON line per case goes to ``--out``, after
 the header every benchmark writes (``twell_jax.cli.header``: date, device, jax version,
 commit, command, XLA flags).
 """
@@ -33,7 +34,8 @@ import pallas_kernels.gemv as gemv_module
 import pallas_kernels.scan_up_down as scan_module
 import twell_jax as tj
 from twell_jax import cli, xla_flags
-from twell_jax.benchmarking.ffn_cases import Case, decode_loop, make_case_inputs, unrolled_calls
+from twell_jax.benchmarking.ffn_cases import (Case, decode_loop, make_case_inputs, trained_mean,
+                                              unrolled_calls)
 
 LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS = 100, 4, 8
 SMOKE_STEPS, SMOKE_SETS = 1, 1
@@ -92,6 +94,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--rows", default="8", help="comma list of M")
     parser.add_argument("--nnz", default="28", help="comma list of mean active units per row")
     parser.add_argument("--heavy", action="store_true", help="also heavy-tailed rows")
+    parser.add_argument("--trained", action="store_true",
+                        help="also rows drawn from the trained model's counts")
     parser.add_argument("--variant", action="append", default=[],
                         help="field=value,... overrides of the default config (repeatable)")
     parser.add_argument("--d-model", type=int, default=2048)
@@ -130,6 +134,8 @@ def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[
     cases = [("uniform", float(n), None) for n in args.nnz.split(",")]
     if args.heavy:
         cases.append(("heavy_tailed", 60.0, 580.0))
+    if args.trained:
+        cases.append(("trained", trained_mean(args.d_ff), None))
     print(f"{'M':>3} {'rows':12} {'nnz':>6}  {'variant':40} {'loop us':>8} {'unrolled us':>11}")
     for m in (int(r) for r in args.rows.split(",")):
         for pattern, nnz, p99 in cases:
