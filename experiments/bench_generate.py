@@ -221,9 +221,9 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
 
     ttft_compile_s = first_call_seconds(first_token)
     ttft = time_call(first_token, cfg.runs)
-    decode_state, first, prefill_nnz = first_token()
+    decode_state, first, prefill_nnz, prefill_p99 = first_token()
     # As generate decides: the decode loop runs the FFN dense if the prefill's activity says so.
-    dense_ffn = bool(model_lib.decode_runs_dense(mcfg, prefill_nnz, batch))
+    dense_ffn = bool(model_lib.decode_runs_dense(mcfg, prefill_nnz, batch, prefill_p99))
 
     def decode(n: int = steps, stats: bool = False):
         # n is traced and chunk static: every n runs the same compiled loop. Timed without
@@ -264,6 +264,11 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
         "prompt_len": int(prompts.shape[1]), "new_tokens": cfg.new_tokens, "decode_steps": steps,
         "param_dtype": jnp.dtype(mcfg.param_dtype).name, "force_sparse": cfg.force_sparse,
         "decode_dense_ffn": dense_ffn,
+        # The prefill's per-layer activity that choice read (None where not recorded).
+        "decode_choice_nnz_mean": [None if np.isnan(v) else float(v)
+                                   for v in np.asarray(prefill_nnz)],
+        "decode_choice_nnz_p99": [None if np.isnan(v) else float(v)
+                                  for v in np.asarray(prefill_p99)],
         "ttft_ms": ttft["median_ms"], "ttft_p10_ms": ttft["p10_ms"],
         "ttft_p90_ms": ttft["p90_ms"], "prefill_tokens_per_s": batch * prompts.shape[1]
         / (ttft["median_ms"] / 1e3),

@@ -314,9 +314,10 @@ def decode_program(model, prompts, steps: int, context: int):
     lengths = jnp.full((b,), prompts.shape[1], jnp.int32)
     stop = jnp.zeros((model.cfg.vocab_size,), bool)
     sampling = model_lib.Sampling()
-    decode_state, _, _ = model_lib.generation_start(graphdef, state, prompts, lengths,
-                                                    jax.random.key(0), stop, sampling=sampling,
-                                                    cache_len=context, stats=False)
+    decode_state, _, _, _ = model_lib.generation_start(graphdef, state, prompts, lengths,
+                                                       jax.random.key(0), stop,
+                                                       sampling=sampling, cache_len=context,
+                                                       stats=False)
     args = (graphdef, state, decode_state, jnp.int32(steps))
     kwargs = dict(sampling=sampling, chunk=steps, stats=False)
     return (lambda: model_lib.generation_steps(*args, **kwargs),

@@ -209,10 +209,12 @@ def test_decode_loop_runs_dense_when_the_prefill_says_so():
     np.testing.assert_array_equal(streamed, np.asarray(expected))
     graphdef, state = nnx.split(model)
     seqs, lengths = padded(prompts, 3)
-    ds, _, _ = model_lib.generation_start(graphdef, state, jnp.asarray(seqs),
-                                          jnp.asarray(lengths), jax.random.key(0),
-                                          jnp.zeros((model.cfg.vocab_size,), bool),
-                                          sampling=model_lib.Sampling(), cache_len=WIDTH)
+    ds, _, nnz_mean, nnz_p99 = model_lib.generation_start(
+        graphdef, state, jnp.asarray(seqs), jnp.asarray(lengths), jax.random.key(0),
+        jnp.zeros((model.cfg.vocab_size,), bool), sampling=model_lib.Sampling(),
+        cache_len=WIDTH)
+    np.testing.assert_array_equal(np.asarray(nnz_mean), stats["nnz_mean"][0])
+    assert np.isnan(np.asarray(nnz_p99)).all()  # a fixed threshold reads no tails
     for dense_ffn in (False, True):  # the dense loop runs no TwELL kernel
         text = str(jax.make_jaxpr(functools.partial(
             model_lib.generation_steps, sampling=model_lib.Sampling(), chunk=2,
@@ -269,6 +271,68 @@ def test_decode_density_limit_depends_on_rows(monkeypatch):
     assert not dense(0.005, 1) and not dense(0.005, 64)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_prefill_records_the_tails_the_choice_reads(monkeypatch, batch):
+    """generation_start returns the prefill's own per-layer p99 where the decode loop's choice
+    can depend on it (with the cost model deciding, from 3 rows at these shapes), else NaN,
+    and so does generate's choice; in interpret mode the cost model never decides."""
+    from twell_jax import ffn
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]][:batch]
+    model = model_lib.build("tiny", implementation="pallas", dtype=jnp.float32, seed=5,
+                            n_layers=2)
+    graphdef, state = nnx.split(model)
+    seqs, lengths = (jnp.asarray(a) for a in padded(prompts, 5))
+    _, inter = nnx.capture(model.prefill, nnx.Intermediate)(
+        seqs, lengths, model.init_cache(batch, WIDTH))
+    expected = {name: [float(getattr(s, name)) for s in model_lib.layer_stats(inter, 2)]
+                for name in ("nnz_mean", "nnz_p99")}
+
+    def start():
+        return model_lib.generation_start(graphdef, state, seqs, lengths, jax.random.key(0),
+                                          jnp.zeros((model.cfg.vocab_size,), bool),
+                                          sampling=model_lib.Sampling(), cache_len=WIDTH)
+
+    assert np.isnan(np.asarray(start()[3])).all()  # interpret mode
+    monkeypatch.setattr(ffn, "default_interpret", lambda: False)
+    jax.clear_caches()  # generation_start was traced in interpret mode
+    _, _, nnz_mean, nnz_p99 = start()
+    np.testing.assert_array_equal(np.asarray(nnz_mean), expected["nnz_mean"])
+    if batch >= 3:
+        np.testing.assert_array_equal(np.asarray(nnz_p99), expected["nnz_p99"])
+        assert (np.asarray(nnz_mean) <= np.asarray(nnz_p99)).all()
+    else:
+        assert np.isnan(np.asarray(nnz_p99)).all()
+    jax.clear_caches()
+
+
+def test_decode_loop_reads_the_layers_tails(monkeypatch):
+    """With the cost model deciding, a layer whose busiest rows hold a few hundred units sends
+    a decode loop of many rows dense although its mean alone would not (rows drawn from a
+    trained model's counts, mean 41 and p99 243 of 5632: dense at 64 rows, sparse at 8-32,
+    where such rows measured 1.00-1.29x of dense); uniform rows' p99 changes nothing."""
+    from twell_jax import ffn
+    monkeypatch.setattr(ffn, "default_interpret", lambda: False)
+    d, f, layers = 2048, 5632, 3
+
+    def dense(mean: float, p99: float | None, rows: int) -> bool:
+        nnz_p99 = None if p99 is None else np.full((layers,), p99, np.float32)
+        return bool(ffn.decode_runs_dense("pallas", np.full((layers,), mean, np.float32), rows,
+                                          d, f, jnp.bfloat16, nnz_p99=nnz_p99))
+
+    assert [dense(41, 243, rows) for rows in (1, 8, 16, 32, 64)] == [False] * 4 + [True]
+    assert not dense(41, None, 64)  # the mean alone
+    assert not any(dense(28, 41, rows) for rows in (1, 8, 64))  # uniform at the design point
+    # Uniform rows just below the mean's break-even at 64 rows: their p99 does not move it.
+    assert not dense(40, 40 + 2.33 * 40 ** 0.5, 64) and dense(60, 60 + 2.33 * 60 ** 0.5, 64)
+    # One heavy-tailed layer among light ones is enough; the fixed threshold ignores tails.
+    assert bool(ffn.decode_runs_dense("pallas", np.full((layers,), 28, np.float32), 64, d, f,
+                                      jnp.bfloat16, nnz_p99=np.array([41, 41, 600], np.float32)))
+    threshold = TwELLConfig(dense_fallback_density=0.05)
+    assert not bool(ffn.decode_runs_dense("pallas", np.full((layers,), 41, np.float32), 64, d,
+                                          f, jnp.bfloat16, threshold,
+                                          nnz_p99=np.full((layers,), 2000, np.float32)))
+
+
 def _pallas_calls(jaxpr, name: str):
     """The equations of the pallas_calls named ``name`` in a closed jaxpr, nested ones too."""
     found = []
@@ -318,10 +382,11 @@ def test_statistics_only_when_asked():
     sampling = model_lib.Sampling()
     compiled = {}
     for flag in (False, True):
-        ds, _, nnz0 = model_lib.generation_start(graphdef, state, jnp.asarray(seqs),
-                                                 jnp.asarray(lengths), jax.random.key(0), stop,
-                                                 sampling=sampling, cache_len=WIDTH, stats=flag)
+        ds, _, nnz0, p99 = model_lib.generation_start(
+            graphdef, state, jnp.asarray(seqs), jnp.asarray(lengths), jax.random.key(0), stop,
+            sampling=sampling, cache_len=WIDTH, stats=flag)
         assert np.isnan(np.asarray(nnz0)).all() != flag
+        assert np.isnan(np.asarray(p99)).all()  # read only by a cost model's choice
         args = (graphdef, state, ds, jnp.int32(2))
         kwargs = dict(sampling=sampling, chunk=2, stats=flag)
         _, _, nnz = model_lib.generation_steps(*args, **kwargs)

@@ -105,8 +105,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[str]]:
     lengths = jnp.full((args.batch,), 8, jnp.int32)
     sampling, key = model_lib.Sampling(), jax.random.key(0)
     stop = jnp.zeros((model.cfg.vocab_size,), bool)
-    decode_state, _, _ = model_lib.generation_start(graphdef, state, prompts, lengths, key, stop,
-                                                    sampling=sampling, cache_len=16)
+    decode_state, _, _, _ = model_lib.generation_start(graphdef, state, prompts, lengths, key,
+                                                       stop, sampling=sampling, cache_len=16)
     hlo = model_lib.generation_steps.lower(graphdef, state, decode_state, jnp.int32(4),
                                            sampling=sampling, chunk=4).compile().as_text()
     if args.hlo_out:

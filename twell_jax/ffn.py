@@ -741,20 +741,23 @@ def _ffn(x, weights: FFNWeights, bias, implementation, config, return_stats,
 
 
 def decode_runs_dense(implementation: Implementation, nnz_mean: jax.Array, rows: int,
-                      d_model: int, d_ff: int, dtype, config: TwELLConfig | None = None):
+                      d_model: int, d_ff: int, dtype, config: TwELLConfig | None = None,
+                      nnz_p99: jax.Array | None = None):
     """Whether a decode loop should run its FFN layers dense, from their measured activity:
-    ``nnz_mean`` [L] (the layers' mean active units per token, e.g. a prefill's) for decode
-    steps of ``rows`` token rows. Returns a [] bool array, or False where the answer is always
-    no, known from the shapes (a dense implementation or a sparse one without a dense route,
-    a decode-sized call that does not take the decode path, ``dense_fallback_density=1.0``,
-    or the cost model in interpret mode, where the kernels always run).
+    ``nnz_mean`` [L] (the layers' mean active units per token, e.g. a prefill's) and, if
+    given, ``nnz_p99`` [L] (their 99th percentiles) for decode steps of ``rows`` token rows.
+    Returns a [] bool array, or False where the answer is always no, known from the shapes (a
+    dense implementation or a sparse one without a dense route, a decode-sized call that does
+    not take the decode path, ``dense_fallback_density=1.0``, or the cost model in interpret
+    mode, where the kernels always run).
 
     The decode path cannot switch per call at no cost: a device-side conditional inside the
     decode loop cost 14-23 us a call on the H100, more than the whole FFN at the design
     point. A loop decides once, before it starts. With ``dense_fallback_density`` set, dense
     when a layer's mean density exceeds it; with the cost model, dense when a layer passes
     ``CostModel.decode_density_limit(rows)`` or the layers' decode up/downs
-    (``decode_up_down_seconds``) add up to more than their dense GEMMs."""
+    (``decode_up_down_seconds`` on ``decode_row_units`` per row: the mean, or a share of the
+    p99 for heavy-tailed layers) add up to more than their dense GEMMs."""
     backend = backends.get(implementation)
     config = DEFAULT_CONFIG if config is None else config
     threshold = config.dense_fallback_density
@@ -766,7 +769,8 @@ def decode_runs_dense(implementation: Implementation, nnz_mean: jax.Array, rows:
         return jnp.any(density > threshold)
     cost = config.cost_model
     itemsize = jnp.dtype(dtype).itemsize
-    sparse = jnp.sum(cost.decode_up_down_seconds(d_model, rows * density * d_ff, itemsize))
+    units = cost.decode_row_units(density * d_ff, nnz_p99)
+    sparse = jnp.sum(cost.decode_up_down_seconds(d_model, rows * units, itemsize))
     dense = density.shape[0] * cost.dense_up_down_seconds(rows, d_model, d_ff, itemsize)
     return jnp.any(density > cost.decode_density_limit(rows)) | (sparse > dense)
 

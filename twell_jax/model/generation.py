@@ -98,29 +98,43 @@ class DecodeState(NamedTuple):
     stop: jax.Array
 
 
-def _with_layer_nnz(fn, n_layers: int, stats: bool):
-    """``fn`` returning also the layers' nnz_mean [n_layers] float32: recorded under
-    ``nnx.capture`` when ``stats``, else NaN and nothing captured (under jit the FFN layers'
-    statistics are then dead code and XLA drops them)."""
+def _with_layer_activity(fn, n_layers: int, stats: bool, tails: bool = False):
+    """``fn`` returning also the layers' (nnz_mean, nnz_p99), each [n_layers] float32:
+    nnz_mean recorded under ``nnx.capture`` when ``stats``, nnz_p99 when ``tails``, else NaN
+    (under jit the FFN layers' statistics that nothing reads are dead code, and XLA drops
+    them)."""
     def run(*args, **kwargs):
-        if not stats:
-            return fn(*args, **kwargs), jnp.full((n_layers,), jnp.nan, _F32)
+        nan = jnp.full((n_layers,), jnp.nan, _F32)
+        if not (stats or tails):
+            return fn(*args, **kwargs), (nan, nan)
         out, inter = nnx.capture(fn, nnx.Intermediate)(*args, **kwargs)
-        return out, jnp.stack([jnp.asarray(s.nnz_mean, _F32)
-                               for s in layer_stats(inter, n_layers)])
+        layers = layer_stats(inter, n_layers)
+        mean, p99 = (jnp.stack([jnp.asarray(getattr(s, name), _F32) for s in layers])
+                     for name in ("nnz_mean", "nnz_p99"))
+        return out, (mean if stats else nan, p99 if tails else nan)
     return run
 
 
-def decode_runs_dense(cfg, nnz_mean, batch: int):
+def decode_runs_dense(cfg, nnz_mean, batch: int, nnz_p99=None):
     """Whether the decode loop runs the FFN layers dense, from the prefill's per-layer
-    ``nnz_mean`` [n_layers] and the batch: ``twell_jax.ffn.decode_runs_dense`` for this model
-    ([] bool array, or False where it never does: ``bool()`` of either answers on the host)."""
+    ``nnz_mean`` [n_layers] (and ``nnz_p99`` [n_layers], which ``generation_start`` returns
+    too: a heavy-tailed layer costs the decode path more than its mean says) and the batch:
+    ``twell_jax.ffn.decode_runs_dense`` for this model ([] bool array, or False where it never
+    does: ``bool()`` of either answers on the host)."""
     return ffn.decode_runs_dense(cfg.implementation, nnz_mean, batch, cfg.d_model, cfg.d_ff,
-                                 cfg.dtype, cfg.twell)
+                                 cfg.dtype, cfg.twell, nnz_p99=nnz_p99)
 
 
 def _may_run_dense(cfg, batch: int) -> bool:
     return decode_runs_dense(cfg, np.zeros((cfg.n_layers,), np.float32), batch) is not False
+
+
+def _reads_tails(cfg, batch: int) -> bool:
+    """Whether the decode loop's choice can depend on the layers' p99: not for batches so
+    small that even every row's units active would keep the decode path ahead."""
+    idle = np.zeros((cfg.n_layers,), np.float32)
+    with jax.ensure_compile_time_eval():  # constants: answered while tracing
+        return bool(decode_runs_dense(cfg, idle, batch, np.full_like(idle, cfg.d_ff)))
 
 
 def _with_dense_ffn(model: Transformer) -> Transformer:
@@ -135,16 +149,19 @@ def _with_dense_ffn(model: Transformer) -> Transformer:
 def generation_start(graphdef, state, prompts, lengths, key, stop, *, sampling: Sampling,
                      cache_len: int, stats: bool = True, stacked: nnx.State | None = None):
     """``generate``'s first stage (jitted): prefill and the first token: (DecodeState, token
-    [B], nnz_mean [n_layers]; NaN without ``stats``, unless the decode loop may run dense:
-    ``decode_runs_dense`` reads them). ``stacked``: as in ``Transformer.prefill``."""
+    [B], nnz_mean [n_layers], nnz_p99 [n_layers]). nnz_mean is NaN without ``stats`` unless
+    the decode loop may run dense, nnz_p99 NaN unless that choice can depend on it (a batch
+    of more than a few rows, with the cost model deciding): ``decode_runs_dense`` reads them.
+    ``stacked``: as in ``Transformer.prefill``."""
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(prompts.shape[0], cache_len)
     stats = stats or _may_run_dense(model.cfg, prompts.shape[0])
-    prefill = _with_layer_nnz(model.prefill, model.cfg.n_layers, stats)
-    (logits, cache), nnz = prefill(prompts, lengths, cache, stacked=stacked)
+    prefill = _with_layer_activity(model.prefill, model.cfg.n_layers, stats,
+                                   _reads_tails(model.cfg, prompts.shape[0]))
+    (logits, cache), (nnz_mean, nnz_p99) = prefill(prompts, lengths, cache, stacked=stacked)
     token = sample_logits(logits, jax.random.fold_in(key, 0), sampling)
     decode_state = DecodeState(cache, token, stop[token], jnp.ones((), jnp.int32), key, stop)
-    return decode_state, token, nnz
+    return decode_state, token, nnz_mean, nnz_p99
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk", "stats",
@@ -171,8 +188,8 @@ def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling:
         model = nnx.merge(graphdef, state)
         if dense_ffn:
             model = _with_dense_ffn(model)
-        step = _with_layer_nnz(model.decode_step, n_layers, stats)
-        (logits, cache), step_nnz = step(ds.token, ds.cache)
+        step = _with_layer_activity(model.decode_step, n_layers, stats)
+        (logits, cache), (step_nnz, _) = step(ds.token, ds.cache)
         token = sample_logits(logits, jax.random.fold_in(ds.key, ds.step), sampling)
         done = ds.done | ds.stop[token]
         # A finished sequence keeps feeding its last token: its outputs are discarded.
@@ -192,16 +209,16 @@ def generation_steps(graphdef, state, decode_state: DecodeState, n, *, sampling:
                                              "stats"))
 def _generate(graphdef, state, prompts, lengths, key, stop, stacked, *, sampling: Sampling,
               cache_len: int, steps: int, stats: bool):
-    decode_state, first, nnz0 = generation_start(graphdef, state, prompts, lengths, key, stop,
-                                                 sampling=sampling, cache_len=cache_len,
-                                                 stats=stats, stacked=stacked)
+    decode_state, first, nnz0, p99 = generation_start(
+        graphdef, state, prompts, lengths, key, stop, sampling=sampling, cache_len=cache_len,
+        stats=stats, stacked=stacked)
     if steps == 0:
         return first[:, None], nnz0[None]
     run = lambda dense_ffn: generation_steps(graphdef, state, decode_state, steps,
                                              sampling=sampling, chunk=steps, stats=stats,
                                              dense_ffn=dense_ffn)[1:]
     # Decided once, from the prefill's activity: a conditional around the loop, not in it.
-    dense = decode_runs_dense(nnx.merge(graphdef, state).cfg, nnz0, prompts.shape[0])
+    dense = decode_runs_dense(nnx.merge(graphdef, state).cfg, nnz0, prompts.shape[0], p99)
     if dense is False:
         tokens, nnz = run(False)
     else:
@@ -348,11 +365,11 @@ def generate_chunks(model: Transformer, prompts, *, max_new_tokens: int, chunk_s
     prompts, lengths, key, stop, cache_len = _prepare(model, prompts, prompt_lengths,
                                                       max_new_tokens, sampling, key, stop_tokens)
     graphdef, state = nnx.split(model)
-    decode_state, token, nnz = generation_start(graphdef, state, prompts, lengths, key, stop,
-                                                sampling=sampling, cache_len=cache_len,
-                                                stacked=stacked)
+    decode_state, token, nnz, p99 = generation_start(graphdef, state, prompts, lengths, key,
+                                                     stop, sampling=sampling,
+                                                     cache_len=cache_len, stacked=stacked)
     yield np.asarray(token)[:, None], np.asarray(nnz)[None]
-    dense_ffn = bool(decode_runs_dense(model.cfg, nnz, prompts.shape[0]))
+    dense_ffn = bool(decode_runs_dense(model.cfg, nnz, prompts.shape[0], p99))
     produced = 1
     while produced < max_new_tokens and not bool(np.all(np.asarray(decode_state.done))):
         n = min(chunk_size, max_new_tokens - produced)
