@@ -274,8 +274,8 @@ def test_decode_density_limit_depends_on_rows(monkeypatch):
 @pytest.mark.parametrize("batch", [1, 2, 4])
 def test_prefill_records_the_tails_the_choice_reads(monkeypatch, batch):
     """generation_start returns the prefill's own per-layer p99 where the decode loop's choice
-    can depend on it (with the cost model deciding, from 3 rows at these shapes), else NaN,
-    and so does generate's choice; in interpret mode the cost model never decides."""
+    can depend on it (with the cost model deciding, from 3 rows at these shapes), else NaN;
+    in interpret mode the cost model never decides."""
     from twell_jax import ffn
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]][:batch]
     model = model_lib.build("tiny", implementation="pallas", dtype=jnp.float32, seed=5,

@@ -764,12 +764,13 @@ def decode_runs_dense(implementation: Implementation, nnz_mean: jax.Array, rows:
     if (not backend.cost_model_routes or not _uses_decode(backend, rows, config)
             or threshold == 1.0 or (threshold is None and not _cost_model_decides(config))):
         return False
-    density = jnp.asarray(nnz_mean, _F32) / d_ff
+    nnz_mean = jnp.asarray(nnz_mean, _F32)
+    density = nnz_mean / d_ff
     if threshold is not None:
         return jnp.any(density > threshold)
     cost = config.cost_model
     itemsize = jnp.dtype(dtype).itemsize
-    units = cost.decode_row_units(density * d_ff, nnz_p99)
+    units = cost.decode_row_units(nnz_mean, nnz_p99)
     sparse = jnp.sum(cost.decode_up_down_seconds(d_model, rows * units, itemsize))
     dense = density.shape[0] * cost.dense_up_down_seconds(rows, d_model, d_ff, itemsize)
     return jnp.any(density > cost.decode_density_limit(rows)) | (sparse > dense)
