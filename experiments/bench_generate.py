@@ -90,6 +90,10 @@ class GenBenchConfig:
     new_tokens: int = cli.flag(128, "tokens generated per sequence (1 from the prefill, the "
                                        "rest decoded)")
     mean_nnz: float = cli.flag(28.0, "mean active FFN units per token at F = 5632 (scaled to F)")
+    token_spread: float = cli.flag(0.0, "spread of the active units per token: a direction "
+                                        "shared by every unit's gate weights, this many times "
+                                        "each unit's own weight norm, so some tokens fire many "
+                                        "units and most few (0: every token about the mean)")
     runs: int = cli.flag(5, "timed repetitions per measurement (median reported)")
     hbm_bytes_per_s: float = cli.flag(3.35e12, "memory bandwidth of the floors (H100 SXM)")
     force_sparse: bool = cli.flag(False, "pallas: never switch to the dense FFN (TwELLConfig("
@@ -117,6 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[GenBenchConfig, str | None]:
                              "token (--context > --new-tokens)")
         if cfg.runs < 1 or cfg.mean_nnz <= 0 or cfg.hbm_bytes_per_s <= 0:
             raise ValueError("--runs, --mean-nnz and --hbm-bytes-per-s must be positive")
+        if not 0 <= cfg.token_spread <= 10:
+            raise ValueError(f"--token-spread must be in [0, 10], got {cfg.token_spread}")
     except ValueError as e:
         parser.error(str(e))
     return cfg, worker
@@ -135,10 +141,33 @@ def batches_of(cfg: GenBenchConfig) -> list[int]:
 
 
 def build_model(preset: str, implementation: str, cfg: GenBenchConfig) -> model_lib.Transformer:
-    """The preset with bf16 parameters (what a user serves) and per-unit gate biases."""
+    """The preset with bf16 parameters (what a user serves) and per-unit gate biases, its gate
+    weights spread by ``--token-spread`` (``spread_token_counts``)."""
     twell = TwELLConfig(dense_fallback_density=1.0) if cfg.force_sparse else None
-    return model_lib.build(preset, implementation=implementation, gate_bias=True,
-                           param_dtype=jnp.bfloat16, twell=twell, seed=cfg.seed)
+    model = model_lib.build(preset, implementation=implementation, gate_bias=True,
+                            param_dtype=jnp.bfloat16, twell=twell, seed=cfg.seed)
+    if cfg.token_spread:
+        spread_token_counts(model, cfg.token_spread, cfg.seed)
+    return model
+
+
+def spread_token_counts(model: model_lib.Transformer, spread: float, seed: int) -> None:
+    """Adds ``spread * |w_j| * u`` to every unit j's gate weights w_j [D] (u: a random unit
+    vector per layer, from ``seed``), in place.
+
+    A random model's tokens each fire about the mean count; a trained model's do not (its
+    counts have a p99 several times the mean). The shared direction moves every unit's
+    pre-activation together by ``spread`` of its own spread times the token's component
+    along u, so a token far along u fires many units and the rest few; the per-unit biases,
+    calibrated afterwards, still set each unit's rate."""
+    for layer, block in enumerate(model.blocks):
+        w = block.ffn.w_gate[...]  # [F, D]
+        u = jax.random.normal(jax.random.fold_in(jax.random.key(seed + 2), layer),
+                              (w.shape[1],), jnp.float32)
+        u = u / jnp.linalg.norm(u)
+        w32 = w.astype(jnp.float32)
+        norms = jnp.linalg.norm(w32, axis=1, keepdims=True)
+        block.ffn.w_gate[...] = (w32 + spread * norms * u[None, :]).astype(w.dtype)
 
 
 def prompt_batch(mcfg: model_lib.ModelConfig, cfg: GenBenchConfig, batch: int) -> np.ndarray:
@@ -263,7 +292,7 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
         "device": str(jax.devices()[0].device_kind), "context": cfg.context,
         "prompt_len": int(prompts.shape[1]), "new_tokens": cfg.new_tokens, "decode_steps": steps,
         "param_dtype": jnp.dtype(mcfg.param_dtype).name, "force_sparse": cfg.force_sparse,
-        "decode_dense_ffn": dense_ffn,
+        "decode_dense_ffn": dense_ffn, "token_spread": cfg.token_spread,
         # The prefill's per-layer activity that choice read (None where not recorded).
         "decode_choice_nnz_mean": [None if np.isnan(v) else float(v)
                                    for v in np.asarray(prefill_nnz)],

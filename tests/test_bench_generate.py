@@ -59,9 +59,34 @@ def test_end_to_end_on_tiny(bench, tmp_path, capsys):
 def test_bad_flags_exit(bench):
     for flags in (["--presets", "nope"], ["--presets", "tiny", "--context", "4096"],
                   ["--new-tokens", "1"], ["--presets", "tiny", "--context", "8",
-                                          "--new-tokens", "8"], ["--batches", "0"]):
+                                          "--new-tokens", "8"], ["--batches", "0"],
+                  ["--token-spread", "-1"]):
         with pytest.raises(SystemExit):
             bench.parse_args(flags)
+
+
+def test_token_spread_gives_heavy_tailed_counts(bench):
+    """--token-spread: with the biases calibrated to the same rate, a few tokens fire many
+    units (a p99 several times the mean, as a trained model's) where without it every token
+    fires about the mean; each unit's own rate stays where the calibration set it."""
+    import numpy as np
+    from flax import nnx
+    from twell_jax.benchmarking.model_bench import calibrate
+
+    def counts(spread):
+        cfg = bench.GenBenchConfig(presets="tiny", batches="4", context=128, new_tokens=8,
+                                   token_spread=spread)
+        model = bench.build_model("tiny", "xla", cfg)
+        tokens = jax.numpy.asarray(bench.prompt_batch(model.cfg, cfg, 4))
+        calibrate(model, tokens, 4.0, "uniform", lambda message: None)
+        _, nnz = nnx.jit(bench.model_lib.activity_and_token_nnz)(model, tokens)
+        return np.asarray(nnz, np.float64)  # [layers, tokens]
+
+    flat, spread = counts(0.0), counts(1.0)
+    for nnz in (flat, spread):
+        assert np.all(np.abs(nnz.mean(axis=1) - 4.0) < 1.0), nnz.mean(axis=1)
+    tail = lambda nnz: np.percentile(nnz, 99, axis=1) / nnz.mean(axis=1)
+    assert np.all(tail(spread) > 2 * tail(flat)), (tail(flat), tail(spread))
 
 
 def test_decode_hlo_lists_weight_ops():
