@@ -39,9 +39,10 @@ and a KV cache of ``context`` positions (bf16, the compute dtype):
 - peak device memory (``memory_stats``; each case runs in its own process), energy per
   generated token (the driver's energy counter over ~3 s of decode calls after the timed
   ones, ``bench_model.time_call``; null without NVML),
-  active FFN units per token during decode (the loop's own statistics), the path the "pallas"
-  FFN takes for the decode step and for the prefill (``ffn.path_for``: "decode", the list-free
-  decode kernel, for steps of at most ``TwELLConfig.decode_rows`` rows; "dense" where its cost
+  active FFN units per token during decode (the loop's own statistics: each step's mean; each
+  decode token's mean, p99 and max per layer from one pass over the generated sequences), the
+  path the "pallas" FFN takes for the decode step and for the prefill (``ffn.path_for``:
+  "decode", the list-free decode kernel, for steps of at most ``TwELLConfig.decode_rows`` rows; "dense" where its cost
   model runs a small call dense outright on a GPU, e.g. a prefill of ~2k tokens, unless
   ``--force-sparse``; "lists" otherwise, which may still switch to dense GEMMs at run time), and
   the generated tokens (greedy, no stop token).
@@ -207,6 +208,24 @@ def kv_bytes_per_step(mcfg: model_lib.ModelConfig, batch: int, context: int) -> 
     return 2 * mcfg.n_layers * batch * context * mcfg.kv_heads * mcfg.head_dim * itemsize
 
 
+def decode_token_counts(model: model_lib.Transformer, prompts: jax.Array, tokens: np.ndarray,
+                        rows_per_pass: int = 8) -> np.ndarray:
+    """[n_layers, B, steps] int32: the active FFN units of each decode step's token, layer by
+    layer. The decode loop's own statistics keep only each step's mean over the batch; these
+    come from one forward pass over each sequence as generated (prompt, then the generated
+    tokens but the last, which no step consumed), ``rows_per_pass`` sequences at a time,
+    read at the positions the decode steps ran (step i consumed ``tokens[:, i]``)."""
+    prompt_len, steps = prompts.shape[1], tokens.shape[1] - 1
+    sequences = jnp.concatenate([prompts, jnp.asarray(tokens[:, :-1], prompts.dtype)], axis=1)
+    count = nnx.jit(model_lib.token_nnz)
+    parts = []
+    for start in range(0, sequences.shape[0], rows_per_pass):
+        rows = sequences[start:start + rows_per_pass]
+        nnz = np.asarray(count(model, rows)).reshape(-1, rows.shape[0], rows.shape[1])
+        parts.append(nnz[:, :, prompt_len:prompt_len + steps])
+    return np.concatenate(parts, axis=1)
+
+
 def first_call_seconds(fn: Callable[[], object]) -> float:
     """Seconds of the first (compiling) call of ``fn``, synchronised."""
     t0 = time.perf_counter()
@@ -271,6 +290,7 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
     _, tokens, nnz = decode(stats=True)
     tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(tokens)], axis=1)  # [B, new]
     nnz = np.asarray(nnz)  # [steps, L]
+    step_counts = decode_token_counts(model, prompts, tokens)  # [L, B, steps]
 
     step_s = timing["median_ms"] / 1e3 / steps
     weights = parameter_bytes(model)
@@ -316,6 +336,12 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
         "pallas_path_prefill": (path(batch * int(prompts.shape[1]))
                                        if impl == "pallas" else None),
         "nnz_decode_mean": float(nnz.mean()), "nnz_decode_by_layer": nnz.mean(0).tolist(),
+        # Each decode token's count, recomputed in one pass over the generated sequences:
+        # the tail the loop's per-step means hide.
+        "nnz_decode_token_mean_by_layer": step_counts.mean(axis=(1, 2)).tolist(),
+        "nnz_decode_token_p99_by_layer": np.percentile(
+            step_counts.reshape(step_counts.shape[0], -1), 99, axis=1).tolist(),
+        "nnz_decode_token_max_by_layer": step_counts.max(axis=(1, 2)).tolist(),
         "peak_bytes": peak_bytes(),
         **{k: timing.get(k) for k in ("energy_j", "energy_sampled_j", "energy_calls",
                                       "mean_power_w", "mean_sm_clock_mhz",
