@@ -42,10 +42,10 @@ and a KV cache of ``context`` positions (bf16, the compute dtype):
   active FFN units per token during decode (the loop's own statistics: each step's mean; each
   decode token's mean, p99 and max per layer from one pass over the generated sequences), the
   path the "pallas" FFN takes for the decode step and for the prefill (``ffn.path_for``:
-  "decode", the list-free decode kernel, for steps of at most ``TwELLConfig.decode_rows`` rows; "dense" where its cost
-  model runs a small call dense outright on a GPU, e.g. a prefill of ~2k tokens, unless
-  ``--force-sparse``; "lists" otherwise, which may still switch to dense GEMMs at run time), and
-  the generated tokens (greedy, no stop token).
+  "decode", the list-free decode kernel, for steps of at most ``TwELLConfig.decode_rows``
+  rows; "dense" where its cost model runs a small call dense outright on a GPU, e.g. a prefill
+  of ~2k tokens, unless ``--force-sparse``; "lists" otherwise, which may still switch to dense
+  GEMMs at run time), and the generated tokens (greedy, no stop token).
 
 ``tools/decode_hlo.py`` lists the weight-sized transposes and casts inside the compiled
 decode loop.
@@ -157,10 +157,10 @@ def spread_token_counts(model: model_lib.Transformer, spread: float, seed: int) 
     vector per layer, from ``seed``), in place.
 
     A random model's tokens each fire about the mean count; a trained model's do not (its
-    counts have a p99 several times the mean). The shared direction moves every unit's
-    pre-activation together by ``spread`` of its own spread times the token's component
-    along u, so a token far along u fires many units and the rest few; the per-unit biases,
-    calibrated afterwards, still set each unit's rate."""
+    counts have a p99 several times the mean). The shared direction shifts all of a token's
+    pre-activations together, each by ``spread`` times its own typical size times the token's
+    component along u, so a token far along u fires many units and the rest few; the per-unit
+    biases, calibrated afterwards, still set each unit's rate."""
     for layer, block in enumerate(model.blocks):
         w = block.ffn.w_gate[...]  # [F, D]
         u = jax.random.normal(jax.random.fold_in(jax.random.key(seed + 2), layer),
@@ -290,6 +290,7 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
     _, tokens, nnz = decode(stats=True)
     tokens = np.concatenate([np.asarray(first)[:, None], np.asarray(tokens)], axis=1)  # [B, new]
     nnz = np.asarray(nnz)  # [steps, L]
+    peak = peak_bytes()  # before the pass below, which the loop does not run
     step_counts = decode_token_counts(model, prompts, tokens)  # [L, B, steps]
 
     step_s = timing["median_ms"] / 1e3 / steps
@@ -342,7 +343,7 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
         "nnz_decode_token_p99_by_layer": np.percentile(
             step_counts.reshape(step_counts.shape[0], -1), 99, axis=1).tolist(),
         "nnz_decode_token_max_by_layer": step_counts.max(axis=(1, 2)).tolist(),
-        "peak_bytes": peak_bytes(),
+        "peak_bytes": peak,
         **{k: timing.get(k) for k in ("energy_j", "energy_sampled_j", "energy_calls",
                                       "mean_power_w", "mean_sm_clock_mhz",
                                       "power_capped_fraction", "power_limit_w",

@@ -4,9 +4,12 @@ import json
 import math
 
 import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 from tests.utils import load_experiment
+from twell_jax.benchmarking.model_bench import calibrate
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +80,9 @@ def test_bad_flags_exit(bench):
 
 
 def test_token_spread_gives_heavy_tailed_counts(bench):
-    """--token-spread: with the biases calibrated to the same rate, a few tokens fire many
+    """--token-spread: with the biases calibrated to the same mean, a few tokens fire many
     units (a p99 several times the mean, as a trained model's) where without it every token
-    fires about the mean; each unit's own rate stays where the calibration set it."""
-    import numpy as np
-    from flax import nnx
-    from twell_jax.benchmarking.model_bench import calibrate
-
+    fires about the mean."""
     def counts(spread):
         cfg = bench.GenBenchConfig(presets="tiny", batches="4", context=128, new_tokens=8,
                                    token_spread=spread)
