@@ -1,4 +1,4 @@
-"""twell_jax.cli: the commit a benchmark's header names."""
+"""twell_jax.cli: the commit a benchmark's header names; flags' help."""
 
 from __future__ import annotations
 
@@ -33,3 +33,17 @@ def test_commit_outside_a_repository_is_unknown(tmp_path, monkeypatch):
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     assert cli.commit() == "unknown"
+
+
+def test_help_prints_a_percent_sign_as_written():
+    """A flag's help may say "%": ``--help`` prints it (argparse would otherwise read it as a
+    format and fail), and the defaults are still shown."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Flags:
+        densities: str = cli.flag("0.5,2", "active units, in % of F")
+
+    text = cli.flag_parser(Flags, "test").format_help()
+    assert "in % of F" in " ".join(text.split())
+    assert "(default: 0.5,2)" in " ".join(text.split())

@@ -214,3 +214,30 @@ def test_sampled_cost_skips_batches_the_cost_model_clearly_sends_dense(per_row, 
     sparse = float(cost.sparse_up_down_seconds(d, d_ff, light_nnz, float(heavy.sum()), 2))
     assert (sparse > 1.25 * cost.dense_up_down_seconds(m, d, d_ff, 2)) == expected
     assert bool(got) == expected
+
+
+def test_hbm_gather_rate_by_device_kind():
+    """Weights past the L2 are costed at the rate measured on the device's kind; an explicit
+    rate wins; a kind never measured takes the H100's."""
+    from twell_jax.config import HBM_GATHER_BYTES_PER_S, CostModel
+
+    cost = CostModel()
+    assert cost.hbm_gather_rate("NVIDIA H200") == HBM_GATHER_BYTES_PER_S["H200"]
+    assert cost.hbm_gather_rate("NVIDIA H100 80GB HBM3") == HBM_GATHER_BYTES_PER_S["H100"]
+    assert cost.hbm_gather_rate("cpu") == HBM_GATHER_BYTES_PER_S["H100"]
+    assert CostModel(gather_hbm_bytes_per_s=1e12).hbm_gather_rate("NVIDIA H200") == 1e12
+    # D = 4096, F = 14336 (235 MB of W_up and W_down): the rate sets the sparse cost.
+    entries, d, f = 1.0e6, 4096, 14336
+    slow = CostModel(gather_hbm_bytes_per_s=2.6e12).sparse_up_down_seconds(d, f, entries, 0.0, 2)
+    fast = CostModel(gather_hbm_bytes_per_s=4.4e12).sparse_up_down_seconds(d, f, entries, 0.0, 2)
+    assert float(slow) == pytest.approx(entries * 2 * d * 2 / 2.6e12)
+    assert float(fast) == pytest.approx(entries * 2 * d * 2 / 4.4e12)
+    # In between at 0.5% of F active (M = 16384): dense under the H100's rate, sparse under
+    # the H200's.
+    m = 16384
+    light = m * 0.005 * f
+    dense = CostModel().dense_up_down_seconds(m, d, f, 2)
+    assert float(CostModel(gather_hbm_bytes_per_s=2.6e12).sparse_up_down_seconds(
+        d, f, light, 0.0, 2)) > dense
+    assert float(CostModel(gather_hbm_bytes_per_s=4.4e12).sparse_up_down_seconds(
+        d, f, light, 0.0, 2)) < dense

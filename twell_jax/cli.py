@@ -45,8 +45,10 @@ def use_compile_cache(path: str) -> None:
 
 def flag(default, help: str, **kwargs) -> dataclasses.Field:
     """A dataclass field that ``flag_parser`` turns into ``--field-name`` (kwargs such as
-    ``choices`` go to ``add_argument``)."""
-    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+    ``choices`` go to ``add_argument``). The help is plain text: a ``%`` in it is printed as
+    written (argparse would read it as a format)."""
+    return dataclasses.field(default=default,
+                             metadata={"help": help.replace("%", "%%"), **kwargs})
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,

@@ -4,29 +4,38 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import is_power_of_two
 from pallas_kernels.scan_up_down import NARROW_SLICE_MAX_ROWS
 
 
+# ``row_up_down``'s rate gathering weight rows from HBM (W_up and W_down past the L2), by
+# device kind: D = 4096, F = 14336, M = 16384, 28-71 active units per token. The H200's
+# faster memory gathers at 4.2-4.6 TB/s, where the H100's takes ~2.6 (the H100's rate made
+# the H200 run a 0.5%-active batch dense at 0.97x of the dense FFN, against 1.14x sparse).
+HBM_GATHER_BYTES_PER_S = {"H100": 2.6e12, "H200": 4.4e12}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Device rates for choosing between sparse and dense up/down projections.
 
-    Defaults measured on the H100 (bf16, M = 16384): XLA's dense GEMM at ~650
-    TFLOP/s; ``row_up_down`` reads gathered weight rows at ~5.4 TB/s while the two weight
-    matrices fit in L2 (D = 2048, F = 5632: 46 MB) and ~2.6 TB/s from HBM (D = 4096, F =
-    14336); device memory copies at ~3.0 TB/s; and the sparse path costs ~0.3 ms per call
-    whatever the batch (0.26-0.34 ms measured at M = 1). An entry that hot units take off
-    the lists saved ~0.64 ns in the forward (M = 16384, 64 units on 85% of the tokens: 1.73
-    -> 1.26-1.30 ms) and ~2.7 ns in forward and backward (5.35 -> 2.92-2.95 ms); the hot
-    path's small launches cost ~20 us a pass beside its GEMMs.
+    Defaults measured on the H100 (bf16, M = 16384): XLA's dense GEMM at ~650 TFLOP/s;
+    ``row_up_down`` reads gathered weight rows at ~5.4 TB/s while the two weight matrices fit in
+    L2 (D = 2048, F = 5632: 46 MB) and ~2.6 TB/s from HBM (D = 4096, F = 14336; the H200: ~4.4,
+    ``hbm_gather_rate``); device memory copies at ~3.0 TB/s; and the sparse path costs ~0.3 ms
+    per call whatever the batch (0.26-0.34 ms measured at M = 1). An entry that hot units take
+    off the lists saved ~0.64 ns in the forward (M = 16384, 64 units on 85% of the tokens: 1.73
+    -> 1.26-1.30 ms) and ~2.7 ns in forward and backward (5.35 -> 2.92-2.95 ms); the hot path's
+    small launches cost ~20 us a pass beside its GEMMs.
     """
 
     gemm_flops_per_s: float = 6.5e14
     gather_bytes_per_s: float = 5.0e12
-    gather_hbm_bytes_per_s: float = 2.6e12
+    # None: the rate measured on this device's kind (``HBM_GATHER_BYTES_PER_S``).
+    gather_hbm_bytes_per_s: float | None = None
     l2_bytes: float = 5.0e7  # up and down weights up to this size are gathered from L2 (H100)
     memory_bytes_per_s: float = 3.0e12
     sparse_fixed_seconds: float = 3.0e-4
@@ -86,6 +95,19 @@ class CostModel:
             (12.0 if differentiated else 4.0) * m * d * k / self.gemm_flops_per_s)
         return lists > gemms
 
+    def hbm_gather_rate(self, device_kind: str | None = None) -> float:
+        """Bytes per second at which ``row_up_down`` gathers weight rows that do not fit in
+        the L2: ``gather_hbm_bytes_per_s``, or when None the rate measured on the kind of
+        device (``device_kind``, default: JAX's first device; the H100's rate on any kind
+        not measured)."""
+        if self.gather_hbm_bytes_per_s is not None:
+            return self.gather_hbm_bytes_per_s
+        kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+        for name, rate in HBM_GATHER_BYTES_PER_S.items():
+            if name in kind:
+                return rate
+        return HBM_GATHER_BYTES_PER_S["H100"]
+
     def dense_ffn_seconds(self, m: int, d: int, f: int, itemsize: int) -> float:
         """The whole dense FFN: three GEMMs' math or their weight reads, whichever is larger."""
         return 1.5 * self.dense_up_down_seconds(m, d, f, itemsize)
@@ -107,7 +129,7 @@ class CostModel:
         (``light_nnz`` entries in all), plus the dense backup's three GEMMs on ``num_heavy``
         rows (their math or their weight reads, whichever is larger). Works on traced counts."""
         weights = 2.0 * d * f * itemsize
-        rate = self.gather_bytes_per_s if weights <= self.l2_bytes else self.gather_hbm_bytes_per_s
+        rate = self.gather_bytes_per_s if weights <= self.l2_bytes else self.hbm_gather_rate()
         backup = jnp.maximum(num_heavy * 6.0 * d * f / self.gemm_flops_per_s,
                              1.5 * weights / self.memory_bytes_per_s)
         return light_nnz * 2.0 * d * itemsize / rate + jnp.where(num_heavy > 0, backup, 0.0)
