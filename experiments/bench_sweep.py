@@ -14,7 +14,10 @@ relative error of y, or of dx, is recorded with each cell). Every call is timed 
 floats), so the host's dispatch (~40 us a call) is not what is measured at small M.
 
 One JSON line per cell goes to ``--out``; ``--plot`` draws the heat map of dense / sparse time
-(above 1: the sparse op is faster), one panel per shape and pass.
+(above 1: the sparse op is faster), one panel per shape and pass. ``--draw-from`` draws the map
+and prints the table from recorded runs instead of measuring (a map made of several runs):
+
+    python experiments/bench_sweep.py --draw-from a.jsonl b.jsonl --plot map.png
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class SweepArgs:
     smoke: bool = flag(False, "CPU: D 64, F 256, M 8, two densities, 2 repeats")
     out: str = flag("runs/bench_sweep.jsonl", "JSON-lines file the cells are appended to")
     plot: str = flag("runs/bench_sweep.png", "PNG heat map of the ratios ('' for none)")
+    draw_from: tuple = flag((), "JSON-lines files of earlier runs: draw --plot and print the "
+                            "table from their cells, measuring nothing; a cell in a later "
+                            "file replaces the same cell in an earlier one")
 
 
 def parse_list(text: str, kind: Callable) -> list:
@@ -149,9 +155,34 @@ def draw(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def recorded_cells(paths) -> list[dict]:
+    """The cells of earlier runs' JSON-lines files, one per (D, F, M, density, pass): where
+    several files hold a cell, the last file's (a map redrawn with some cells re-run)."""
+    cells = {}
+    for path in paths:
+        with open(path) as fh:
+            for line in fh:
+                row = json.loads(line)
+                if row.get("kind") == "cell":
+                    key = (row["d"], row["f"], row["m"], row["density_pct"], row["pass"])
+                    cells[key] = row
+    return list(cells.values())
+
+
 def main(argv=None) -> list[dict]:
     parser = cli.flag_parser(SweepArgs, __doc__.split("\n")[0])
     args = SweepArgs(**vars(parser.parse_args(argv)))
+    if args.draw_from:
+        try:
+            rows = recorded_cells(args.draw_from)
+        except (OSError, ValueError, KeyError) as e:
+            parser.error(f"--draw-from: cannot read the cells: {type(e).__name__}: {e}")
+        if not rows:
+            parser.error(f"--draw-from: no cells in {', '.join(args.draw_from)}")
+        if args.plot:
+            draw(rows, args.plot)
+        report(rows)
+        return rows
     if args.smoke:
         args = dataclasses.replace(args, shapes="64x256", rows="8", densities="2,50",
                                    repeats=2, runs=2)
@@ -183,6 +214,13 @@ def main(argv=None) -> list[dict]:
     good = [r for r in rows if r["kind"] == "cell"]
     if args.plot and good:
         draw(good, args.plot)
+    report(rows)
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    """The table of cells (and errors), and how many are below 0.95x."""
+    good = [r for r in rows if r["kind"] == "cell"]
     print(f"\n{'D x F':>11} {'pass':>17} {'M':>6} {'density':>8} {'dense ms':>9} "
           f"{'sparse ms':>9} {'ratio':>6} {'rel err':>8}")
     for r in rows:
@@ -198,7 +236,6 @@ def main(argv=None) -> list[dict]:
         print(f"cells below 0.95x: {sum(r['ratio'] < 0.95 for r in good)} of {len(good)}; "
               f"worst {worst['ratio']:.2f}x (D {worst['d']}, M {worst['m']}, "
               f"{worst['density_pct']:g}%, {worst['pass']})")
-    return rows
 
 
 if __name__ == "__main__":

@@ -49,3 +49,29 @@ def test_repeated_sums_every_call(sweep):
     x = jnp.ones((2, 3), jnp.float32)
     out = sweep.repeated(lambda x, w: x * w, 4)(x, jnp.float32(2.0))
     np.testing.assert_allclose(out, 8.0 * np.ones((2, 3)))
+
+
+def test_draw_from_recorded_runs(sweep, tmp_path, capsys):
+    """A map redrawn from two runs: the later run's cell replaces the earlier one's, the
+    header and error lines are skipped, nothing is measured."""
+    cell = dict(kind="cell", d=64, f=256, m=8, density_pct=2.0, pass_="forward", nnz_mean=5.0,
+                nnz_max=7, rel_err_vs_dense=1e-3, finite=True, dense_ms=2.0, sparse_ms=1.0,
+                ratio=2.0)
+    cell["pass"] = cell.pop("pass_")
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("\n".join(json.dumps(r) for r in [
+        {"kind": "header"}, cell, {**cell, "density_pct": 50.0, "ratio": 0.5, "sparse_ms": 4.0},
+        {"kind": "error", "d": 64, "f": 256, "m": 8, "density_pct": 5.0, "pass": "forward",
+         "error": "OOM"}]) + "\n")
+    second.write_text(json.dumps({**cell, "ratio": 1.5, "sparse_ms": 2.0 / 1.5}) + "\n")
+    plot = tmp_path / "map.png"
+    rows = sweep.main(["--draw-from", str(first), str(second), "--plot", str(plot)])
+    assert sorted((r["density_pct"], r["ratio"]) for r in rows) == [(2.0, 1.5), (50.0, 0.5)]
+    assert plot.stat().st_size > 1000
+    assert "cells below 0.95x: 1 of 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sweep.main(["--draw-from", str(tmp_path / "missing.jsonl"), "--plot", ""])
+    headers_only = tmp_path / "empty.jsonl"
+    headers_only.write_text(json.dumps({"kind": "header"}) + "\n")
+    with pytest.raises(SystemExit):
+        sweep.main(["--draw-from", str(headers_only), "--plot", ""])
