@@ -469,7 +469,7 @@ def test_pallas_threshold_row_or_bias_compute_the_same_function():
     assert_close(y_bias, expected, jnp.bfloat16, what="with b_gate")
 
 
-@pytest.mark.parametrize("route", ["backup", "dense"])
+@pytest.mark.parametrize("route", ["backup", slow("dense")])
 def test_pallas_hands_x_with_the_bias_column_to_pack_and_up_down(monkeypatch, route):
     """With a gate bias the pallas backend gives its pack and its up/down one array, x with the
     folded bias's column (``Backend.widen_input``), so x's producer writes it once. Output and
@@ -513,7 +513,7 @@ def test_pallas_hands_x_with_the_bias_column_to_pack_and_up_down(monkeypatch, ro
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "reference"])
+@pytest.mark.parametrize("implementation", ["pallas", slow("reference")])
 def test_inference_never_reads_list_entries_past_a_rows_count(monkeypatch, implementation):
     """A call that is not differentiated hands the packed lists to the up/down unmasked (the
     mask is one [M, K] pass a call): whatever lies past a row's count (NaN values, columns

@@ -20,7 +20,7 @@ from flax import nnx
 
 from pallas_kernels.common import default_interpret
 from tests.test_hf import HF_CONFIG, hf_weights, write_hf_folder
-from tests.utils import TOLERANCES, load_experiment, rel_err
+from tests.utils import TOLERANCES, load_experiment, rel_err, slow
 from twell_jax import model as model_lib
 from twell_jax.config import TwELLConfig
 from twell_jax import data
@@ -271,7 +271,7 @@ def test_decode_density_limit_depends_on_rows(monkeypatch):
     assert not dense(0.005, 1) and not dense(0.005, 64)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, slow(2), slow(4)])
 def test_prefill_records_the_tails_the_choice_reads(monkeypatch, batch):
     """generation_start returns the prefill's own per-layer p99 where the decode loop's choice
     can depend on it (with the cost model deciding, from 3 rows at these shapes), else NaN;

@@ -57,6 +57,7 @@ def test_use_configs_swaps_and_restores_the_defaults(probe):
     assert (scan_module.default_scan_up_down_config, gemv_module.default_gemv_config) == defaults
 
 
+@pytest.mark.slow  # a probe's end-to-end run; its variant parsing stays in the fast tier
 def test_smoke_times_a_gemv_variant(probe, tmp_path):
     out = tmp_path / "probe.jsonl"
     rows = probe.main(["--smoke", "--variant", "gemv.k_splits=2", "--out", str(out)])

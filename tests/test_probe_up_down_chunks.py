@@ -10,7 +10,7 @@ import pytest
 import twell_jax as tj
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
-from tests.utils import load_experiment
+from tests.utils import load_experiment, slow
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +19,10 @@ def probe():
         yield module
 
 
-@pytest.mark.parametrize("mean_active", [3.0, 12.0])  # few entries a row; many heavy rows
+# Few entries a row; many heavy rows (their lists empty).
+@pytest.mark.parametrize("mean_active", [3.0, slow(12.0)])
 def test_chunks_match_the_whole_lists(probe, mean_active):
-    m, d, f = 48, 128, 640
+    m, d, f = 16, 64, 384
     cfg = tj.TwELLConfig()
     kx, kg, ku, kd = jax.random.split(jax.random.PRNGKey(int(mean_active)), 4)
     x = jax.random.normal(kx, (m, d), jnp.float32).astype(jnp.bfloat16)
@@ -37,7 +38,7 @@ def test_chunks_match_the_whole_lists(probe, mean_active):
     assert int(jnp.sum(row_nnz)) > 0
     values, columns = tj.format.mask_lists(values, columns, row_nnz)
     y0, up0, l0 = row_up_down(x, w_up_t, w_down, values, columns, row_nnz)
-    for num_chunks in (1, 2, 3, 5):
+    for num_chunks in (2, 5):
         y, up, l1 = probe.chunked_up_down(x, w_up_t, w_down, values, columns, row_nnz,
                                           num_chunks)
         assert bool(jnp.all(jnp.isfinite(y)))

@@ -378,6 +378,7 @@ def test_nonfinite_loss_names_step_and_last_good_checkpoint(train, text_dir, tmp
     assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.isdigit()) == ["2"]
 
 
+@pytest.mark.slow  # the refusals; resuming itself is in the fast tier
 def test_resume_another_model_or_missing_run(train, text_dir, tmp_path):
     corpus = data.load_corpus(str(text_dir), data.ByteTokenizer(), 0.2)
     out = tmp_path / "run"
