@@ -227,17 +227,17 @@ def test_hbm_gather_rate_by_device_kind():
     assert cost.hbm_gather_rate("cpu") == HBM_GATHER_BYTES_PER_S["H100"]
     assert CostModel(gather_hbm_bytes_per_s=1e12).hbm_gather_rate("NVIDIA H200") == 1e12
     # D = 4096, F = 14336 (235 MB of W_up and W_down): the rate sets the sparse cost.
-    entries, d, f = 1.0e6, 4096, 14336
-    slow = CostModel(gather_hbm_bytes_per_s=2.6e12).sparse_up_down_seconds(d, f, entries, 0.0, 2)
-    fast = CostModel(gather_hbm_bytes_per_s=4.4e12).sparse_up_down_seconds(d, f, entries, 0.0, 2)
-    assert float(slow) == pytest.approx(entries * 2 * d * 2 / 2.6e12)
-    assert float(fast) == pytest.approx(entries * 2 * d * 2 / 4.4e12)
-    # In between at 0.5% of F active (M = 16384): dense under the H100's rate, sparse under
-    # the H200's.
+    d, f = 4096, 14336
+    h100, h200 = (CostModel(gather_hbm_bytes_per_s=rate) for rate in (2.6e12, 4.4e12))
+    entries = 1.0e6
+    assert float(h100.sparse_up_down_seconds(d, f, entries, 0.0, 2)) == pytest.approx(
+        entries * 2 * d * 2 / 2.6e12)
+    assert float(h200.sparse_up_down_seconds(d, f, entries, 0.0, 2)) == pytest.approx(
+        entries * 2 * d * 2 / 4.4e12)
+    # At 0.5% of F active (M = 16384) the rates fall on either side of two dense GEMMs: dense
+    # under the H100's rate, sparse under the H200's.
     m = 16384
     light = m * 0.005 * f
-    dense = CostModel().dense_up_down_seconds(m, d, f, 2)
-    assert float(CostModel(gather_hbm_bytes_per_s=2.6e12).sparse_up_down_seconds(
-        d, f, light, 0.0, 2)) > dense
-    assert float(CostModel(gather_hbm_bytes_per_s=4.4e12).sparse_up_down_seconds(
-        d, f, light, 0.0, 2)) < dense
+    dense = cost.dense_up_down_seconds(m, d, f, 2)
+    assert float(h100.sparse_up_down_seconds(d, f, light, 0.0, 2)) > dense
+    assert float(h200.sparse_up_down_seconds(d, f, light, 0.0, 2)) < dense

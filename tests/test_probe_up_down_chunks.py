@@ -39,6 +39,9 @@ def test_chunks_match_the_whole_lists(probe, mean_active):
     values, columns = tj.format.mask_lists(values, columns, row_nnz)
     y0, up0, l0 = row_up_down(x, w_up_t, w_down, values, columns, row_nnz)
     for num_chunks in (2, 5):
+        parts, _, _ = probe.split_lists(values, columns, row_nnz, f, num_chunks)
+        assert sum(int(jnp.sum(n) > 0) for _, _, n in parts) >= 2  # the entries really split
+        assert sum(int(jnp.sum(n)) for _, _, n in parts) == int(jnp.sum(row_nnz))
         y, up, l1 = probe.chunked_up_down(x, w_up_t, w_down, values, columns, row_nnz,
                                           num_chunks)
         assert bool(jnp.all(jnp.isfinite(y)))

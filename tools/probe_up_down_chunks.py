@@ -40,8 +40,7 @@ def split_lists(values, columns, row_nnz, d_ff: int, num_chunks: int):
     slot = jnp.arange(k, dtype=jnp.int32)
     valid = slot[None, :] < jnp.clip(row_nnz, 0, k)[:, None]
     chunk = jnp.where(valid, columns // width, num_chunks)
-    counts = jnp.stack([jnp.sum(chunk == c, axis=1, dtype=jnp.int32)
-                        for c in range(num_chunks)], axis=1)
+    counts = jnp.sum(chunk[:, :, None] == jnp.arange(num_chunks), axis=1, dtype=jnp.int32)
     starts = jnp.cumsum(counts, axis=1) - counts
     parts = []
     for c in range(num_chunks):
@@ -56,8 +55,8 @@ def chunked_up_down(x, w_up_t, w_down, values, columns, row_nnz, num_chunks: int
     k = columns.shape[1]
     parts, chunk, starts = split_lists(values, columns, row_nnz, w_down.shape[0], num_chunks)
     outs = [row_up_down(x, w_up_t, w_down, *part, out_dtype=jnp.float32) for part in parts]
-    y = sum(o[0] for o in outs[1:]) + outs[0][0]
-    l1 = sum(o[2] for o in outs[1:]) + outs[0][2]
+    y = sum(o[0] for o in outs)
+    l1 = sum(o[2] for o in outs)
     # Each entry's up value back in its own slot.
     stacked = jnp.concatenate([o[1] for o in outs], axis=1)  # [M, C * K]
     owner = jnp.minimum(chunk, num_chunks - 1)
