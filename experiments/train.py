@@ -111,6 +111,10 @@ class TrainConfig:
     remat: bool = flag(False, "recompute each block in the backward pass (keeps FFN outputs)")
     hot_units: int = flag(0, "TwELLConfig.hot_units: units firing on many tokens computed by a "
                           "small dense GEMM (0: off; the per-layer count moved is logged)")
+    backup_rows: int = flag(-1, "TwELLConfig.backup_rows: rows of the dense backup for heavy "
+                                "rows (-1: sizes from M/64 to M/2, the smallest that holds "
+                                "them; one fixed size compiles faster, 0: none, any heavy "
+                                "row sends the batch dense)")
     l1_coeff: float = flag(0.01, "coefficient of the L1 penalty on the FFN hidden activations")
     steps: int = flag(1000, "optimizer steps")
     batch_size: int = flag(32, "sequences per batch")
@@ -181,8 +185,9 @@ def parse_args(argv: Sequence[str] | None) -> TrainConfig:
         parser.error(f"--heldout-fraction must be in (0, 1), got {cfg.heldout_fraction}")
     if cfg.l1_coeff < 0:
         parser.error(f"--l1-coeff must be >= 0, got {cfg.l1_coeff}")
-    if cfg.pgle_steps < -1:
-        parser.error(f"--pgle-steps must be >= -1, got {cfg.pgle_steps}")
+    for name in ("pgle_steps", "backup_rows"):
+        if getattr(cfg, name) < -1:
+            parser.error(f"--{name.replace('_', '-')} must be >= -1, got {getattr(cfg, name)}")
     return cfg
 
 
@@ -218,6 +223,8 @@ def build(cfg: TrainConfig, vocab_size: int, mesh: jax.sharding.Mesh | None = No
     every visible device) as ``twell_jax.sharding.shard_state`` splits it."""
     preset = model_lib.CONFIGS[cfg.model]
     twell = dataclasses.replace(preset.twell or TwELLConfig(), hot_units=cfg.hot_units)
+    if cfg.backup_rows >= 0:
+        twell = dataclasses.replace(twell, backup_rows=cfg.backup_rows)
     mcfg = dataclasses.replace(preset, implementation=cfg.implementation, remat=cfg.remat,
                                twell=twell)
     if vocab_size > mcfg.vocab_size:

@@ -31,7 +31,7 @@ WIDTH = 6 + NEW  # the uncached reference runs on one padded width: one compile
 PAD = model_lib.PAD_TOKEN
 # As test_model.py: no heavy rows, so the sparse paths compute every token themselves.
 ALL_SPARSE = TwELLConfig(tile_width=16, slots_per_tile=16, max_row_density=1.0,
-                         dense_fallback_density=1.0)
+                         dense_fallback_density=1.0, backup_rows=0)
 
 
 @nnx.jit

@@ -43,9 +43,11 @@ def text_dir(tmp_path_factory):
 
 # Tiny runs: 4 sequences of 32 bytes, the reference FFN. The same --steps everywhere: the
 # optimizer (its schedule) is static in the jitted train step, so every test reuses one compile.
+# One backup size (64 of the 128 token rows, the largest default one): the program holds one
+# backup branch instead of eight, so the steps trace and compile about twice as fast.
 TINY_FLAGS = ["--steps", "4", "--model", "tiny", "--implementation", "reference",
               "--batch-size", "4", "--seq-len", "32", "--warmup", "2", "--eval-batches", "2",
-              "--log-every", "1", "--l1-coeff", "0.01"]
+              "--log-every", "1", "--l1-coeff", "0.01", "--backup-rows", "64"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -136,6 +138,15 @@ def test_parse_args(train):
         train.parse_args(["--implementation", "cuda"])
     with pytest.raises(SystemExit):
         train.parse_args(["--pgle-steps", "-2"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--backup-rows", "-2"])
+
+
+@pytest.mark.parametrize("flag, backup_rows", [(None, None), ("0", 0), ("64", 64)])
+def test_backup_rows_flag_sets_the_layers_config(train, flag, backup_rows):
+    cfg = train.parse_args([] if flag is None else ["--backup-rows", flag])
+    model, _ = train.build(cfg, 256)
+    assert model.cfg.twell.backup_rows == backup_rows
 
 
 # ------------------------------------------------------------------------------------------

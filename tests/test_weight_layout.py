@@ -129,10 +129,13 @@ def test_prepared_weights_compute_the_flax_layout_op(gated, implementation):
     w_gate = weights[0] if gated else None
     prepared = tj.prepare_weights(w_gate, *weights[-2:])
     assert prepared.gated == gated and prepared.up.shape == (200, 64)
-    loss_flax = lambda x, *w: jnp.sum(flax_op(x, *w, implementation=implementation) ** 2)
+    # One backup size (the largest default one at 48 rows): the same routes, a smaller program.
+    config = tj.TwELLConfig(backup_rows=24)
+    loss_flax = lambda x, *w: jnp.sum(flax_op(x, *w, implementation=implementation,
+                                              config=config) ** 2)
     loss_rows = lambda x, *w: jnp.sum(tj.feed_forward(
         x, tj.FFNWeights(*((None,) if not gated else ()) + w),
-        implementation=implementation) ** 2)
+        implementation=implementation, config=config) ** 2)
     argnums = tuple(range(len(weights) + 1))
     want = jax.jit(jax.value_and_grad(loss_flax, argnums))(x, *weights)
     got = jax.jit(jax.value_and_grad(loss_rows, argnums))(x, *prepared.matrices)
@@ -171,7 +174,8 @@ def test_checkpoints_of_the_earlier_layout_load_transposed(tmp_path):
 
     model = model_lib.build("tiny", implementation="xla")
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-    grads = nnx.grad(lambda m: model_lib.loss_fn(m, jnp.ones((1, 9), jnp.int32), 0.0)[0])(model)
+    grads = nnx.jit(nnx.grad(
+        lambda m: model_lib.loss_fn(m, jnp.ones((1, 9), jnp.int32), 0.0)[0]))(model)
     optimizer.update(model, grads)  # moments no longer zero
     cfg = model.cfg
     assert cfg.d_model != cfg.d_ff  # the shapes tell the layouts apart
