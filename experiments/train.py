@@ -113,8 +113,8 @@ class TrainConfig:
                           "small dense GEMM (0: off; the per-layer count moved is logged)")
     backup_rows: int = flag(-1, "TwELLConfig.backup_rows: rows of the dense backup for heavy "
                                 "rows (-1: sizes from M/64 to M/2, the smallest that holds "
-                                "them; one fixed size compiles faster, 0: none, any heavy "
-                                "row sends the batch dense)")
+                                "them; N: one size, which compiles faster; 0: none); more "
+                                "heavy rows than it holds send the batch dense")
     l1_coeff: float = flag(0.01, "coefficient of the L1 penalty on the FFN hidden activations")
     steps: int = flag(1000, "optimizer steps")
     batch_size: int = flag(32, "sequences per batch")

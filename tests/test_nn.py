@@ -96,7 +96,7 @@ def test_gate_bias_is_a_param_that_thresholds_and_trains(kind):
     assert not np.any(np.asarray(bias[...]))  # zeros at init: the layer without a bias
     plain = LAYERS[kind](12, 40, implementation="reference", rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (6, 12))
-    run = nnx.jit(lambda m: m(x))  # jitted: run eagerly, the reference op dispatches op by op
+    run = nnx.jit(lambda m: m(x))  # (eagerly the reference op runs op by op: seconds)
     np.testing.assert_array_equal(np.asarray(run(layer)), np.asarray(run(plain)))
     bias[...] = jnp.full((40,), -1e4)  # every unit below threshold
     assert not np.any(np.asarray(run(layer)))
