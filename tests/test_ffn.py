@@ -15,7 +15,7 @@ from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from twell_jax import backends, ffn
 from twell_jax.format import mask_lists
 from tests.utils import (PATTERNS, assert_close, dense_ffn_f32, ffn_float64,
-                         make_ffn_inputs, seed_of, slow, slow_unless)
+                         make_ffn_inputs, one_backup_size, seed_of, slow, slow_unless)
 
 SPARSE_IMPLS = ("reference", "pallas")
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -25,12 +25,11 @@ M, D, F = 42, 72, 200
 # (heavy rows still come from tiles over S).
 # decode_rows=0: these M-row calls take the list path (packing, backup) even when not
 # differentiated; the list-free decode path has its own tests (DECODE).
-# backup_rows=M/2, the largest of the default backup sizes, so every call routes as by default
-# (lists, backup, or dense past M/2 heavy rows), with one backup size: the program holds three
-# switch branches instead of ten, and the interpreter compiles it about 4x faster. The ladder
-# of sizes has its own tests (backup_rows=None below).
-CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=1.0,
-                        max_row_density=1.0, decode_rows=0, backup_rows=-(-M // 2))
+# One backup size (tests/utils.py: one_backup_size); the ladder of sizes has its own tests
+# (backup_rows=None below).
+CONFIG = one_backup_size(tj.TwELLConfig(tile_width=32, slots_per_tile=4,
+                                        dense_fallback_density=1.0, max_row_density=1.0,
+                                        decode_rows=0), M)
 DECODE = dataclasses.replace(CONFIG, decode_rows=M)
 # The fast tier keeps one pattern (and mostly the gated form) of each parametrization below; the
 # others are marked slow (tests/utils.py: slow_unless).

@@ -13,18 +13,18 @@ from pallas_kernels.add_product import (AddProductConfig, add_product, add_produ
                                         fits)
 from twell_jax import hot_units, inputs
 from twell_jax.format import sampled_active
-from tests.utils import (assert_close, dense_ffn_f32, ffn_float64, nested_eqns, seed_of,
-                         slow)
+from tests.utils import (assert_close, dense_ffn_f32, ffn_float64, nested_eqns,
+                         one_backup_size, seed_of, slow)
 
 M, D, F = 96, 72, 200
 NUM_HOT = 12
 # hot_min_rows low enough for a CPU-sized batch; no density switch and no row cap, so the
-# lists run on every pattern (heavy rows still come from tiles over S). One backup size, M/2
-# (the largest default one: calls route as by default), keeps the interpreter's programs small
-# (tests/test_ffn.py's CONFIG says why).
-CONFIG = tj.TwELLConfig(tile_width=32, slots_per_tile=4, dense_fallback_density=1.0,
-                        max_row_density=1.0, decode_rows=0, hot_min_rows=64, hot_units=16,
-                        hot_unit_rate=0.25, backup_rows=M // 2)
+# lists run on every pattern (heavy rows still come from tiles over S). One backup size
+# (tests/utils.py: one_backup_size).
+CONFIG = one_backup_size(tj.TwELLConfig(tile_width=32, slots_per_tile=4,
+                                        dense_fallback_density=1.0, max_row_density=1.0,
+                                        decode_rows=0, hot_min_rows=64, hot_units=16,
+                                        hot_unit_rate=0.25), M)
 NO_HOT = dataclasses.replace(CONFIG, hot_units=0)
 
 

@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from tests.utils import TOLERANCES, rel_err
+from tests.utils import TOLERANCES, one_backup_size, rel_err
 from twell_jax import model as model_lib
 from twell_jax.config import TwELLConfig
 
@@ -24,16 +24,14 @@ TINY = dataclasses.replace(model_lib.CONFIGS["tiny"], implementation="xla")
 ALL_SPARSE = TwELLConfig(tile_width=16, slots_per_tile=16, max_row_density=1.0,
                          dense_fallback_density=1.0, backup_rows=0)
 
-# The default config with one backup size, the largest of its default ones at the loss's 48
-# token rows (so every call routes as by default): the reference model's loss and gradients
-# compile in less than half the time the whole ladder of sizes takes (tested in test_ffn.py).
-ONE_BACKUP = TwELLConfig(backup_rows=24)
-
 
 IMPLEMENTATIONS = ["xla", "reference", "pallas"]
 
 
 X_SHAPE = (2, 25)  # [B, T + 1] for loss_fn; one shape so the jitted functions compile once
+# The default config with one backup size for the loss's B x T token rows (tests/utils.py:
+# one_backup_size): the reference model's loss and gradients compile in less than half the time.
+ONE_BACKUP = one_backup_size(TwELLConfig(), X_SHAPE[0] * (X_SHAPE[1] - 1))
 
 
 def tokens(shape=X_SHAPE, seed=0, vocab=TINY.vocab_size):

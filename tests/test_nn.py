@@ -12,7 +12,7 @@ from flax import nnx
 import twell_jax
 from twell_jax import nn
 from twell_jax.inputs import with_threshold_row
-from tests.utils import TOLERANCES, assert_close, slow_unless
+from tests.utils import TOLERANCES, assert_close, one_backup_size, slow_unless
 
 
 SPARSE_IMPLEMENTATIONS = ["reference", "pallas"]
@@ -273,10 +273,8 @@ def test_output_is_named_for_remat():
 @pytest.mark.parametrize("kind", slow_unless(["gated"], LAYERS))
 def test_train_step_decreases_loss(kind):
     d_model, d_ff, m = 16, 64, 64
-    # One backup size, the largest default one at 64 rows: every call routes as by default,
-    # and the program holds one backup branch instead of eight (it compiles faster).
     model = make_layer(kind, d_model, d_ff, "reference", density=0.1,
-                       config=twell_jax.TwELLConfig(backup_rows=m // 2))
+                       config=one_backup_size(twell_jax.TwELLConfig(), m))
     teacher = make_layer(kind, d_model, d_ff, "xla", seed=7, density=0.1)
     x = make_x((m, d_model), jnp.float32, seed=5)
     target = teacher(x)

@@ -15,7 +15,7 @@ import pytest
 
 import twell_jax as tj
 from tests.test_lowering import export_for_cuda
-from tests.utils import make_ffn_inputs
+from tests.utils import make_ffn_inputs, one_backup_size
 
 D, F = 128, 512
 S = jax.ShapeDtypeStruct
@@ -124,13 +124,13 @@ def test_the_flax_layout_transposes_once_per_call(compiled_kernels):
 def test_prepared_weights_compute_the_flax_layout_op(gated, implementation):
     """``feed_forward`` on ``prepare_weights`` equals ``gated_mlp`` / ``mlp`` bit for bit, its
     gradients are theirs transposed."""
-    x, *weights = make_ffn_inputs(11, 48, 64, 200, "heavy_tailed", jnp.float32, gated=gated)
+    m = 48
+    x, *weights = make_ffn_inputs(11, m, 64, 200, "heavy_tailed", jnp.float32, gated=gated)
     flax_op = tj.gated_mlp if gated else tj.mlp
     w_gate = weights[0] if gated else None
     prepared = tj.prepare_weights(w_gate, *weights[-2:])
     assert prepared.gated == gated and prepared.up.shape == (200, 64)
-    # One backup size (the largest default one at 48 rows): the same routes, a smaller program.
-    config = tj.TwELLConfig(backup_rows=24)
+    config = one_backup_size(tj.TwELLConfig(), m)  # the default routes, a smaller program
     loss_flax = lambda x, *w: jnp.sum(flax_op(x, *w, implementation=implementation,
                                               config=config) ** 2)
     loss_rows = lambda x, *w: jnp.sum(tj.feed_forward(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import pathlib
@@ -13,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from twell_jax import ffn
 
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 
@@ -48,6 +51,19 @@ def slow(*values, **kwargs):
 def slow_unless(keep, values):
     """``values`` for a parametrization, those not in ``keep`` marked slow."""
     return [v if v in keep else slow(v) for v in values]
+
+
+def one_backup_size(config, m: int):
+    """``config`` with its dense backup fixed at the largest of the default sizes for ``m``
+    rows: calls route as with the whole ladder of sizes (lists, backup, or dense past the
+    largest; only ``FFNStats.backup_overflow`` then marks a batch sent dense), but the program
+    holds one backup branch instead of one per size, each with the kernels, so the interpreter
+    compiles it several times faster. Tests of the sizes themselves keep ``backup_rows=None``."""
+    import dataclasses
+
+    from twell_jax import ffn
+    sizes = ffn._backup_sizes(m, dataclasses.replace(config, backup_rows=None))
+    return dataclasses.replace(config, backup_rows=sizes[-1])
 
 
 def seed_of(*parts) -> int:
