@@ -42,7 +42,7 @@ def test_end_to_end_on_tiny(bench, tmp_path, capsys):
         # mean (read one position off, the tiny model's means move by ~0.2), exactly for the
         # dense model on the CPU, else up to a unit flipped by rounding among the 10 tokens
         # (0.1 of the mean); on a GPU, whose recount may run other GEMM algorithms than the
-        # loop, up to three (one H200 run read 16.5 against 16.7); and a tail within F.
+        # loop, up to three; and a tail within F.
         cpu = jax.default_backend() == "cpu"
         tolerance = 1e-5 if cpu and r["implementation"] == "xla" else 0.15 if cpu else 0.35
         for mean, token_mean, p99, top in zip(

@@ -44,8 +44,7 @@ def text_dir(tmp_path_factory):
 # Tiny runs: 4 sequences of 32 bytes, the reference FFN. The same --steps everywhere: the
 # optimizer (its schedule) is static in the jitted train step, so every test reuses one compile.
 # One backup size (64 of the 128 token rows, the largest default one): the program holds one
-# backup branch instead of eight, so the steps trace and compile faster (the smoke run on two
-# CPU cores: 33-41 s -> 25 s).
+# backup branch instead of eight, so the steps trace and compile faster.
 TINY_FLAGS = ["--steps", "4", "--model", "tiny", "--implementation", "reference",
               "--batch-size", "4", "--seq-len", "32", "--warmup", "2", "--eval-batches", "2",
               "--log-every", "1", "--l1-coeff", "0.01", "--backup-rows", "64"]

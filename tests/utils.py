@@ -59,9 +59,6 @@ def one_backup_size(config, m: int):
     largest; only ``FFNStats.backup_overflow`` then marks a batch sent dense), but the program
     holds one backup branch instead of one per size, each with the kernels, so the interpreter
     compiles it several times faster. Tests of the sizes themselves keep ``backup_rows=None``."""
-    import dataclasses
-
-    from twell_jax import ffn
     sizes = ffn._backup_sizes(m, dataclasses.replace(config, backup_rows=None))
     return dataclasses.replace(config, backup_rows=sizes[-1])
 
