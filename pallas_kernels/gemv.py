@@ -64,7 +64,7 @@ def _load(ref, mask):
 
 def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, steps: int,
                  weights: tuple[tuple[int, int, int, int], ...], has_bias: bool, fused: bool,
-                 mask_k: bool, unit_rows: bool, precision):
+                 mask_k: bool, unit_rows: bool, precision, counts: bool = False):
     """One program: columns [b * block_f, +block_f) of one weight, where ``program_id(0)``
     is that weight's first block plus b, and D rows [s * steps * block_k, +steps * block_k)
     for s = ``program_id(1)``.
@@ -73,12 +73,14 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
     output column): several products of one x share a launch, each program reading one
     weight's tile (a branch per weight). Refs (whole arrays): x [M, D], the weights [D, F_i]
     ([F_i, D] with ``unit_rows``), [bias [F_0], one weight only]; output: [M, sum F_i] in
-    x.dtype (``fused``: the only split, bias added) or partial sums [S, M, sum F_i] float32.
+    x.dtype (``fused``: the only split, bias added) or partial sums [S, M, sum F_i] float32;
+    with ``counts`` (fused, one weight) also [blocks] int32: the active outputs (> 0 or NaN,
+    as rounded) of each program's block.
     """
     n_w = len(weights)
     x_ref, w_refs = refs[0], refs[1:1 + n_w]
     b_ref = refs[1 + n_w] if has_bias else None
-    o_ref = refs[-1]
+    o_ref = refs[-2] if counts else refs[-1]
     j = pl.program_id(0)
     s = pl.program_id(1)
     # The rows [0, m_pad) of x and of the output as index vectors, not ``pl.ds(0, m_pad)``:
@@ -123,7 +125,11 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
             if has_bias:
                 bias = _load(b_ref.at[pl.ds(col0, block_f)], col_ok if mask_f else None)
                 acc = acc + bias.astype(jnp.float32)[None, :]
-            plgpu.store(o_ref.at[rows, out_cols], acc.astype(o_ref.dtype), mask=out_mask)
+            out = acc.astype(o_ref.dtype)
+            plgpu.store(o_ref.at[rows, out_cols], out, mask=out_mask)
+            if counts:
+                active = jnp.logical_not(out.astype(jnp.float32) <= 0.0) & row_ok & col_ok[None, :]
+                refs[-1][j] = jnp.sum(active.astype(jnp.int32))
         else:
             plgpu.store(o_ref.at[s, rows, out_cols], acc, mask=out_mask)
 
@@ -225,10 +231,11 @@ def _check_args(x, w, bias, unit_rows: bool = False) -> tuple[int, int, int]:
 
 def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
                config: GemvConfig | None, interpret: bool | None, allow_fused: bool,
-               unit_rows: bool = False):
+               unit_rows: bool = False, counts: bool = False):
     """The kernel on ``x`` [M, D] and weights ``ws`` ([D, F_i], or [F_i, D] with
     ``unit_rows``; one dtype): ``[M, sum F_i]`` in x.dtype (one D split and ``allow_fused``;
-    bias added) or float32 partial sums ``[S, M, sum F_i]`` (bias not added)."""
+    bias added) or float32 partial sums ``[S, M, sum F_i]`` (bias not added). With
+    ``counts`` (one weight; the config must not split D): ``(out, [blocks] int32)``."""
     m, d, _ = _check_args(x, ws[0], bias, unit_rows)
     for w in ws[1:]:
         _check_args(x, w, None, unit_rows)
@@ -239,6 +246,9 @@ def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
     steps = -(-total_steps // min(config.k_splits, total_steps))
     splits = -(-total_steps // steps)  # no empty split
     fused = splits == 1 and allow_fused
+    if counts and (not fused or len(ws) != 1):
+        raise ValueError(f"counts need one weight and an unsplit D (k_splits=1), got "
+                         f"{len(ws)} weights and {splits} splits")
     weights, first_block, out_col0 = [], 0, 0
     for f in widths:
         n_blocks = -(-f // config.block_f)
@@ -250,9 +260,12 @@ def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
     kernel = functools.partial(
         _gemv_kernel, m=m, d=d, m_pad=m_pad, block_k=config.block_k, block_f=config.block_f,
         steps=steps, weights=tuple(weights), has_bias=has_bias, fused=fused,
-        mask_k=splits * steps * config.block_k != d, unit_rows=unit_rows, precision=precision)
+        mask_k=splits * steps * config.block_k != d, unit_rows=unit_rows, precision=precision,
+        counts=counts)
     out_shape = (jax.ShapeDtypeStruct((m, out_col0), x.dtype) if fused
                  else jax.ShapeDtypeStruct((splits, m, out_col0), jnp.float32))
+    if counts:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((first_block,), jnp.int32))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -289,6 +302,44 @@ def gemv(
     """
     out = _gemv_call(x, (w,), bias, config, interpret, allow_fused=True, unit_rows=unit_rows)
     return out if out.ndim == 2 else finish_partial_sums(out, bias, x.dtype)
+
+
+def default_gemv_counts_config(m: int, d: int, f: int) -> GemvConfig:
+    """The unsplit config of :func:`gemv_with_counts`: 32-column blocks (176 programs at
+    F = 5632, enough to keep every SM streaming weights without a D split), 128-row steps,
+    4 stages. On an H200 at M = 64, D = 2048, F = 5632 it matched the split default (13.7 us
+    a call in an on-device loop, ``tools/probe_gemv.py --unit-rows``)."""
+    return GemvConfig(block_f=min(32, max(16, next_pow2(f))),
+                      block_k=min(128, max(16, next_pow2(d))), k_splits=1, num_warps=4,
+                      num_stages=4)
+
+
+def gemv_with_counts(
+    x: jax.Array,
+    w: jax.Array,
+    bias: jax.Array | None,
+    *,
+    unit_rows: bool = False,
+    config: GemvConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`gemv` plus each program's count of active outputs, in the same launch.
+
+    The counts let a later kernel see how busy the whole product is with one small load
+    (the decode FFN's ``scan_up_down`` chooses its dense mode so, with no launch or host
+    round trip in between). D is not split, so every program holds finished outputs.
+
+    Args: as :func:`gemv`; ``config`` must have ``k_splits=1`` (default
+      ``default_gemv_counts_config``).
+    Returns:
+      ``(pre [M, F] x.dtype, counts [ceil(F / block_f)] int32)``: counts[b] is the number of
+      entries of pre's columns [b * block_f, +block_f) that are > 0 or NaN.
+    """
+    if config is None:
+        m, d, f = _check_args(x, w, bias, unit_rows)
+        config = default_gemv_counts_config(m, d, f)
+    return _gemv_call(x, (w,), bias, config, interpret, allow_fused=True, unit_rows=unit_rows,
+                      counts=True)
 
 
 def gemv_partial_sums(

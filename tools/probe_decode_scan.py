@@ -6,9 +6,13 @@
 
 Each variant overrides fields of ``default_scan_up_down_config(M, D, F)`` (a value may name
 another field of the default, ``scan_width=block_f``), or with a ``gemv.`` prefix fields of the
-gate GEMV's ``default_gemv_config(M, D, F)`` (``gemv.k_splits=2``), and replaces the defaults
+gate GEMV's ``default_gemv_config(M, D, F)`` (``gemv.k_splits=2``), with ``gemv_counts.`` those
+of ``default_gemv_counts_config`` (the unsplit GEMV of the dense switch), with ``twell.``
+fields of the ``TwELLConfig`` the op is called with (``twell.dense_fallback_density=1.0``: no
+dense switch; ``0.0``: the dense mode always), and replaces the defaults
 for the public op (``feed_forward`` on [F, D] weights, ``"pallas"``), which is timed two ways
-beside the dense FFN (``"xla"``): inside an on-device loop of 100 steps over 4 weight sets (as
+beside the dense FFN (``"xla"``, and ``"plain"``: three bf16-output ``jnp.dot`` as bf16
+``nnx.Linear`` layers compute them): inside an on-device loop of 100 steps over 4 weight sets (as
 a decode loop runs its layers) and as 8 calls on distinct weight sets unrolled in one jit (as a
 user's program makes them). The variants are timed in turn, ``--reps`` times, and the medians are
 reported in microseconds per call; uniform rows with ``--nnz`` active units of F on average,
@@ -28,6 +32,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels.gemv as gemv_module
@@ -41,7 +46,12 @@ LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS = 100, 4, 8
 SMOKE_STEPS, SMOKE_SETS = 1, 1
 DEFAULT_CONFIG = scan_module.default_scan_up_down_config
 DEFAULT_GEMV_CONFIG = gemv_module.default_gemv_config
+DEFAULT_GEMV_COUNTS_CONFIG = gemv_module.default_gemv_counts_config
 GEMV_PREFIX = "gemv."
+GEMV_COUNTS_PREFIX = "gemv_counts."
+TWELL_PREFIX = "twell."
+DEFAULT_CONFIGS = (DEFAULT_CONFIG, DEFAULT_GEMV_CONFIG, DEFAULT_GEMV_COUNTS_CONFIG,
+                   tj.TwELLConfig())
 
 
 def _overridden(default, fields: dict[str, str]):
@@ -55,20 +65,30 @@ def _overridden(default, fields: dict[str, str]):
 
 
 def parse_variant(text: str):
-    """'a=1,b=scan_width,gemv.k_splits=2' -> (scan config function, gemv config function),
-    each a function (m, d, f) -> its default config with those fields."""
+    """'a=1,b=scan_width,gemv.k_splits=2,twell.dense_fallback_density=1.0' -> (scan, gemv and
+    counting-gemv config functions, each (m, d, f) -> its default config with those fields;
+    the op's TwELLConfig)."""
     items = [item for item in text.split(",") if item]
     if not items or any("=" not in item for item in items):
         raise ValueError("expected field=value pairs separated by commas")
     fields = dict(item.split("=", 1) for item in items)
-    scan = {k: v for k, v in fields.items() if not k.startswith(GEMV_PREFIX)}
-    gemv = {k[len(GEMV_PREFIX):]: v for k, v in fields.items() if k.startswith(GEMV_PREFIX)}
-    return _overridden(DEFAULT_CONFIG, scan), _overridden(DEFAULT_GEMV_CONFIG, gemv)
+
+    def take(prefix):
+        return {k[len(prefix):]: v for k, v in fields.items() if k.startswith(prefix)}
+
+    scan = {k: v for k, v in fields.items() if "." not in k}
+    twell = {k: float(v) for k, v in take(TWELL_PREFIX).items()}
+    return (_overridden(DEFAULT_CONFIG, scan), _overridden(DEFAULT_GEMV_CONFIG, take(GEMV_PREFIX)),
+            _overridden(DEFAULT_GEMV_COUNTS_CONFIG, take(GEMV_COUNTS_PREFIX)),
+            dataclasses.replace(tj.TwELLConfig(), **twell))
 
 
-def use_configs(configs) -> None:
-    """Makes the public op use ``configs`` (scan, gemv) as its defaults from the next trace."""
-    scan_module.default_scan_up_down_config, gemv_module.default_gemv_config = configs
+def use_configs(configs) -> tj.TwELLConfig:
+    """Makes the public op use ``configs``' kernel configs as its defaults from the next
+    trace; returns the TwELLConfig to call it with."""
+    (scan_module.default_scan_up_down_config, gemv_module.default_gemv_config,
+     gemv_module.default_gemv_counts_config, twell) = configs
+    return twell
 
 
 def timer(fn, calls: int, x, sets, repeat: int):
@@ -85,8 +105,16 @@ def timer(fn, calls: int, x, sets, repeat: int):
     return once
 
 
-def op(implementation: str):
-    return lambda x, *w: tj.feed_forward(x, tj.FFNWeights(*w), implementation=implementation)
+def op(implementation: str, config: tj.TwELLConfig | None = None):
+    return lambda x, *w: tj.feed_forward(x, tj.FFNWeights(*w), implementation=implementation,
+                                         config=config)
+
+
+def plain_dense(x, w_gate, w_up, w_down):
+    """The dense FFN as bf16 ``nnx.Linear`` layers compute it (bf16 outputs, float32
+    accumulation inside), on the [F, D] weights: XLA reads them transposed for free."""
+    rows = lambda a, w: jax.lax.dot_general(a, w, (((1,), (1,)), ((), ())))
+    return jnp.dot(jax.nn.relu(rows(x, w_gate)) * rows(x, w_up), w_down)
 
 
 def main(argv=None) -> list[dict]:
@@ -114,17 +142,32 @@ def main(argv=None) -> list[dict]:
                      "script on a CPU")
     steps, layers, n_sets = ((SMOKE_STEPS, SMOKE_SETS, SMOKE_SETS) if args.smoke
                              else (LOOP_STEPS, LOOP_LAYERS, UNROLLED_SETS))
-    variants = [("default", (DEFAULT_CONFIG, DEFAULT_GEMV_CONFIG))]
+    variants = [("default", DEFAULT_CONFIGS)]
     for text in args.variant:
         try:
             variants.append((text, parse_variant(text)))
-            for config in variants[-1][1]:  # a bad field or value fails here
+            for config in variants[-1][1][:3]:  # a bad field or value fails here
                 config(1, args.d_model, args.d_ff)
         except (TypeError, ValueError) as e:
             parser.error(f"--variant {text}: {e}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as out:
         return _measure(args, variants, out, steps, layers, n_sets)
+
+
+def _errors(variants, x, weights) -> dict[str, float]:
+    """Each variant's relative Frobenius error against the FFN in float64 (host numpy) on one
+    weight set: a wrong kernel is caught before its time is read."""
+    x64 = np.asarray(x, np.float64)
+    w_gate, w_up, w_down = (np.asarray(w, np.float64) for w in weights)
+    ref = (np.maximum(x64 @ w_gate.T, 0.0) * (x64 @ w_up.T)) @ w_down
+    errors = {}
+    for name, configs in variants:
+        twell = use_configs(configs)
+        y = np.asarray(jax.jit(op("pallas", twell))(x, *weights), np.float64)
+        errors[name] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    use_configs(variants[0][1])
+    return errors
 
 
 def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[dict]:
@@ -136,24 +179,27 @@ def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[
         cases.append(("heavy_tailed", 60.0, 580.0))
     if args.trained:
         cases.append(("trained", trained_mean(args.d_ff), None))
-    print(f"{'M':>3} {'rows':12} {'nnz':>6}  {'variant':40} {'loop us':>8} {'unrolled us':>11}")
+    print(f"{'M':>3} {'rows':12} {'nnz':>6}  {'variant':40} {'loop us':>8} {'unrolled us':>11}",
+          flush=True)
     for m in (int(r) for r in args.rows.split(",")):
         for pattern, nnz, p99 in cases:
             case = Case(f"m{m}_{pattern}_{nnz:g}", m, args.d_model, args.d_ff, pattern, nnz, p99)
             x = make_case_inputs(case)[0]
             sets = [tuple(tj.prepare_weights(*make_case_inputs(case, seed=s)[1:]))
                     for s in range(max(layers, n_sets))]
-            row = {"m": m, "pattern": pattern, "nnz": nnz}
+            row = {"m": m, "pattern": pattern, "nnz": nnz,
+                   "rel_error_float64": _errors(variants, x, sets[0])}
             for mode, make, weights, calls, repeat in (
                     ("loop", lambda fn: decode_loop(fn, steps), sets[:layers], steps * layers, 3),
                     ("unrolled", unrolled_calls, sets[:n_sets], n_sets, 60)):
                 repeat = 1 if args.smoke else repeat
                 timers = {}
                 for name, configs in variants:
-                    use_configs(configs)
-                    timers[name] = timer(make(op("pallas")), calls, x, weights, repeat)
+                    twell = use_configs(configs)
+                    timers[name] = timer(make(op("pallas", twell)), calls, x, weights, repeat)
                 use_configs(variants[0][1])
                 timers["dense"] = timer(make(op("xla")), calls, x, weights, repeat)
+                timers["plain"] = timer(make(plain_dense), calls, x, weights, repeat)
                 times = {name: [] for name in timers}
                 for _ in range(args.reps):  # interleaved, so drift hits every variant alike
                     for name, once in timers.items():
@@ -163,10 +209,12 @@ def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[
             out.write(json.dumps(row) + "\n")
             out.flush()
             rows.append(row)
-            for name in [n for n, _ in variants] + ["dense"]:
+            for name in [n for n, _ in variants] + ["dense", "plain"]:
+                error = row["rel_error_float64"].get(name)
                 print(f"{m:3d} {pattern:12} {nnz:6g}  {name[:40]:40} "
                       f"{row['loop'][name]['median_us']:8.2f} "
-                      f"{row['unrolled'][name]['median_us']:11.2f}", flush=True)
+                      f"{row['unrolled'][name]['median_us']:11.2f}"
+                      + ("" if error is None else f"  err {error:.1e}"), flush=True)
     return rows
 
 

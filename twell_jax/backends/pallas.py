@@ -25,11 +25,11 @@ from pallas_kernels.add_product import add_product, add_product_reference
 from pallas_kernels.add_product import fits as add_product_fits
 from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from pallas_kernels.gemv import gemv_partial_sums
+from pallas_kernels.gemv import gemv_partial_sums, gemv_with_counts
 from pallas_kernels.row_backward import row_dx, row_entry_grads
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
-from pallas_kernels.scan_up_down import GatePartials, scan_up_down_partial_sums
+from pallas_kernels.scan_up_down import DenseSwitch, GatePartials, scan_up_down_partial_sums
 from pallas_kernels.sparse_outer import sparse_outer
 from twell_jax.backends.base import Backend, RowLists
 from twell_jax.config import TwELLConfig
@@ -145,19 +145,25 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff, skip=None):
     return tuple(o[:, :d] for o in out)
 
 
-def _decode(x, w_in, bias, w_up, w_down, partial_sums=False):
-    # The gate on the GEMV kernel, whose partial sums scan_up_down adds itself: no launch and
-    # no [M, F] write in between. Below 8 rows XLA's dot is ~2x slower than the weight read;
+def _decode(x, w_in, bias, w_up, w_down, partial_sums=False, dense_above=None):
+    # The gate on the GEMV kernel. Below 8 rows XLA's dot is ~2x slower than the weight read;
     # at 8 and 64 rows the whole decode FFN is 0.7 and 1.5 us faster this way than with XLA's
-    # dot (H100).
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    # dot (H100). With the dense switch the GEMV is unsplit and counts its active outputs, so
+    # the scan can choose the dense mode from one small load; without it, its D-split partial
+    # sums go straight to the scan, which adds them itself: no launch or [M, F] write between.
+    switch = None
+    if x.shape[0] <= GEMV_MAX_ROWS and dense_above is not None:
+        gate, counts = gemv_with_counts(x, w_in, bias, unit_rows=True)
+        pre = gate
+        switch = DenseSwitch(counts, dense_above)
+    elif x.shape[0] <= GEMV_MAX_ROWS:
         gate = GatePartials(gemv_partial_sums(x, w_in, unit_rows=True), bias, x.dtype)
         pre = gate.pre()  # only for the statistics: dead code unless they are used
     else:
         gate = pre = gate_pre_activation(x, w_in, bias)
     gated = w_up is not None
     x_pad, w_up, w_down_pad = _pad_up_down(x if gated else None, w_up, w_down)
-    y_parts, l1 = scan_up_down_partial_sums(gate, x_pad, w_up, w_down_pad)
+    y_parts, l1 = scan_up_down_partial_sums(gate, x_pad, w_up, w_down_pad, switch=switch)
     y_parts = y_parts[..., :w_down.shape[1]]
     # Unfinished for a consumer that adds the slices itself (the model's add_rms_norm: one
     # launch less a decode step).
