@@ -129,7 +129,8 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
             plgpu.store(o_ref.at[rows, out_cols], out, mask=out_mask)
             if counts:
                 active = jnp.logical_not(out.astype(jnp.float32) <= 0.0) & row_ok & col_ok[None, :]
-                refs[-1][j] = jnp.sum(active.astype(jnp.int32))
+                # Row sums first: Triton's lowering reduces one axis at a time.
+                refs[-1][j] = jnp.sum(jnp.sum(active.astype(jnp.int32), axis=1))
         else:
             plgpu.store(o_ref.at[s, rows, out_cols], acc, mask=out_mask)
 

@@ -232,3 +232,21 @@ def test_scan_up_down_on_partial_sums_lowers():
     w = S((F, D), BF16)
     module = export_for_cuda(fn, S((1, D), BF16), w, S((F,), jnp.float32), w, w)
     assert "twell_scan_up_down" in module and "twell_gemv" in module
+
+
+def test_decode_dense_switch_lowers():
+    """The decode FFN with its dense switch: the counting GEMV, the scan (walk and dense mode,
+    3 stages) and ``slice_down``."""
+    from pallas_kernels.gemv import gemv_with_counts
+    from pallas_kernels.scan_up_down import DenseSwitch, scan_up_down_partial_sums
+
+    def fn(x, w_in, bias, w_up, w_down):  # every weight [F, D], the FFN's layout
+        pre, counts = gemv_with_counts(x, w_in, bias, unit_rows=True, interpret=False)
+        return scan_up_down_partial_sums(pre, x, w_up, w_down, switch=DenseSwitch(counts, 100),
+                                         interpret=False)
+
+    w = S((F, D), BF16)
+    for m in (1, 8, 64):
+        module = export_for_cuda(fn, S((m, D), BF16), w, S((F,), jnp.float32), w, w)
+        assert all(name in module for name in
+                   ("twell_gemv", "twell_scan_up_down", "twell_slice_down"))

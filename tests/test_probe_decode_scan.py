@@ -18,7 +18,8 @@ def probe():
 
 
 def test_variant_overrides_scan_and_gemv_fields(probe):
-    scan, gemv = probe.parse_variant("group=2,scan_width=block_f,gemv.k_splits=2,gemv.block_f=32")
+    scan, gemv, _, _ = probe.parse_variant(
+        "group=2,scan_width=block_f,gemv.k_splits=2,gemv.block_f=32")
     base_scan = scan_module.default_scan_up_down_config(8, 2048, 5632)
     base_gemv = gemv_module.default_gemv_config(8, 2048, 5632)
     got_scan, got_gemv = scan(8, 2048, 5632), gemv(8, 2048, 5632)
@@ -33,6 +34,16 @@ def test_variant_overrides_scan_and_gemv_fields(probe):
         scan_module.default_scan_up_down_config(1, 2048, 5632))
 
 
+def test_variant_overrides_the_counting_gemv_and_the_twell_config(probe):
+    _, gemv, counts, twell = probe.parse_variant(
+        "gemv_counts.block_f=16,twell.dense_fallback_density=1.0")
+    assert counts(1, 2048, 5632).block_f == 16
+    assert counts(1, 2048, 5632).k_splits == 1
+    assert gemv(1, 2048, 5632) == gemv_module.default_gemv_config(1, 2048, 5632)
+    assert twell.dense_fallback_density == 1.0
+    assert probe.parse_variant("group=2")[3] == probe.DEFAULT_CONFIGS[3]
+
+
 @pytest.mark.parametrize("text", ["group", "", "gemv.k_splits"])
 def test_variant_without_values_is_rejected(probe, text):
     with pytest.raises(ValueError, match="field=value"):
@@ -40,21 +51,23 @@ def test_variant_without_values_is_rejected(probe, text):
 
 
 def test_bad_field_fails_when_built(probe):
-    scan, gemv = probe.parse_variant("gemv.not_a_field=3")
+    gemv = probe.parse_variant("gemv.not_a_field=3")[1]
     with pytest.raises(TypeError):
         gemv(1, 2048, 5632)
 
 
 def test_use_configs_swaps_and_restores_the_defaults(probe):
-    defaults = (scan_module.default_scan_up_down_config, gemv_module.default_gemv_config)
-    variant = probe.parse_variant("gemv.k_splits=1,group=2")
+    defaults = probe.DEFAULT_CONFIGS
+    variant = probe.parse_variant("gemv.k_splits=1,group=2,gemv_counts.block_k=64")
     try:
         probe.use_configs(variant)
         assert gemv_module.default_gemv_config(8, 2048, 5632).k_splits == 1
+        assert gemv_module.default_gemv_counts_config(8, 2048, 5632).block_k == 64
         assert scan_module.default_scan_up_down_config(8, 2048, 5632).group == 2
     finally:
         probe.use_configs(defaults)
-    assert (scan_module.default_scan_up_down_config, gemv_module.default_gemv_config) == defaults
+    assert (scan_module.default_scan_up_down_config, gemv_module.default_gemv_config,
+            gemv_module.default_gemv_counts_config) == defaults[:3]
 
 
 @pytest.mark.slow  # a probe's end-to-end run; its variant parsing stays in the fast tier
@@ -63,10 +76,12 @@ def test_smoke_times_a_gemv_variant(probe, tmp_path):
     rows = probe.main(["--smoke", "--variant", "gemv.k_splits=2", "--out", str(out)])
     assert [r["m"] for r in rows] == [2]
     for mode in ("loop", "unrolled"):
-        assert set(rows[0][mode]) == {"default", "gemv.k_splits=2", "dense"}
+        assert set(rows[0][mode]) == {"default", "gemv.k_splits=2", "dense", "plain"}
         assert all(v["median_us"] > 0 for v in rows[0][mode].values())
     lines = out.read_text().splitlines()
     assert "command" in json.loads(lines[0]) and len(lines) == 2
     # The run leaves the defaults as it found them.
     assert gemv_module.default_gemv_config is probe.DEFAULT_GEMV_CONFIG
     assert scan_module.default_scan_up_down_config is probe.DEFAULT_CONFIG
+    assert set(rows[0]["rel_error_float64"]) == {"default", "gemv.k_splits=2"}
+    assert all(0 < e < 1e-2 for e in rows[0]["rel_error_float64"].values())
