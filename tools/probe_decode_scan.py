@@ -7,7 +7,8 @@
 Each variant overrides fields of ``default_scan_up_down_config(M, D, F)`` (a value may name
 another field of the default, ``scan_width=block_f``), or with a ``gemv.`` prefix fields of the
 gate GEMV's ``default_gemv_config(M, D, F)`` (``gemv.k_splits=2``), with ``gemv_counts.`` those
-of ``default_gemv_counts_config`` (the unsplit GEMV of the dense switch), with ``twell.``
+of ``default_gemv_counts_config`` (the unsplit GEMV of the dense switch), with
+``slice_down.`` those of ``default_slice_down_config`` (its busy blocks' down), with ``twell.``
 fields of the ``TwELLConfig`` the op is called with (``twell.dense_fallback_density=1.0``: no
 dense switch; ``0.0``: the dense mode always), and replaces the defaults
 for the public op (``feed_forward`` on [F, D] weights, ``"pallas"``), which is timed two ways
@@ -37,6 +38,7 @@ import numpy as np
 
 import pallas_kernels.gemv as gemv_module
 import pallas_kernels.scan_up_down as scan_module
+import pallas_kernels.slice_down as slice_down_module
 import twell_jax as tj
 from twell_jax import cli, xla_flags
 from twell_jax.benchmarking.ffn_cases import (Case, decode_loop, make_case_inputs, trained_mean,
@@ -49,9 +51,11 @@ DEFAULT_GEMV_CONFIG = gemv_module.default_gemv_config
 DEFAULT_GEMV_COUNTS_CONFIG = gemv_module.default_gemv_counts_config
 GEMV_PREFIX = "gemv."
 GEMV_COUNTS_PREFIX = "gemv_counts."
+SLICE_DOWN_PREFIX = "slice_down."
 TWELL_PREFIX = "twell."
+DEFAULT_SLICE_DOWN_CONFIG = slice_down_module.default_slice_down_config
 DEFAULT_CONFIGS = (DEFAULT_CONFIG, DEFAULT_GEMV_CONFIG, DEFAULT_GEMV_COUNTS_CONFIG,
-                   tj.TwELLConfig())
+                   tj.TwELLConfig(), DEFAULT_SLICE_DOWN_CONFIG)
 
 
 def _overridden(default, fields: dict[str, str]):
@@ -78,16 +82,22 @@ def parse_variant(text: str):
 
     scan = {k: v for k, v in fields.items() if "." not in k}
     twell = {k: float(v) for k, v in take(TWELL_PREFIX).items()}
+    slice_down = take(SLICE_DOWN_PREFIX)
+    slice_down_config = DEFAULT_SLICE_DOWN_CONFIG
+    if slice_down:
+        slice_down_config = lambda m, d: dataclasses.replace(
+            DEFAULT_SLICE_DOWN_CONFIG(m, d), **{k: int(v) for k, v in slice_down.items()})
     return (_overridden(DEFAULT_CONFIG, scan), _overridden(DEFAULT_GEMV_CONFIG, take(GEMV_PREFIX)),
             _overridden(DEFAULT_GEMV_COUNTS_CONFIG, take(GEMV_COUNTS_PREFIX)),
-            dataclasses.replace(tj.TwELLConfig(), **twell))
+            dataclasses.replace(tj.TwELLConfig(), **twell), slice_down_config)
 
 
 def use_configs(configs) -> tj.TwELLConfig:
     """Makes the public op use ``configs``' kernel configs as its defaults from the next
     trace; returns the TwELLConfig to call it with."""
     (scan_module.default_scan_up_down_config, gemv_module.default_gemv_config,
-     gemv_module.default_gemv_counts_config, twell) = configs
+     gemv_module.default_gemv_counts_config, twell,
+     slice_down_module.default_slice_down_config) = configs
     return twell
 
 

@@ -25,8 +25,8 @@ from pallas_kernels.add_product import add_product, add_product_reference
 from pallas_kernels.add_product import fits as add_product_fits
 from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from pallas_kernels.gemv import (default_gemv_counts_config, gemv_partial_sums,
-                                 gemv_with_counts)
+from pallas_kernels import gemv as gemv_kernels
+from pallas_kernels.gemv import gemv_partial_sums, gemv_with_counts
 from pallas_kernels.row_backward import row_dx, row_entry_grads
 from pallas_kernels.row_pack import row_pack
 from pallas_kernels.row_up_down import row_up_down
@@ -156,10 +156,12 @@ def _decode(x, w_in, bias, w_up, w_down, partial_sums=False, dense_share=None):
     switch = None
     m = x.shape[0]
     if m <= GEMV_MAX_ROWS and dense_share is not None:
-        block = default_gemv_counts_config(m, x.shape[1], w_in.shape[0]).block_f
+        # (Looked up at call time, so a probe that swaps the default swaps it everywhere.)
+        config = gemv_kernels.default_gemv_counts_config(m, x.shape[1], w_in.shape[0])
+        block = config.block_f
         above = int(dense_share * m * block)
         pre, counts, h = gemv_with_counts(x, w_in, bias, dense_above=above, w_up=w_up,
-                                          unit_rows=True)
+                                          unit_rows=True, config=config)
         gate = pre
         switch = DenseSwitch(counts, above, block, h)
     elif m <= GEMV_MAX_ROWS:
