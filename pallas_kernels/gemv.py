@@ -64,8 +64,7 @@ def _load(ref, mask):
 
 def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, steps: int,
                  weights: tuple[tuple[int, int, int, int], ...], has_bias: bool, fused: bool,
-                 mask_k: bool, unit_rows: bool, precision, counts: bool = False,
-                 dense_above: int | None = None, has_up: bool = False):
+                 mask_k: bool, unit_rows: bool, precision, counts: bool = False):
     """One program: columns [b * block_f, +block_f) of one weight, where ``program_id(0)``
     is that weight's first block plus b, and D rows [s * steps * block_k, +steps * block_k)
     for s = ``program_id(1)``.
@@ -76,19 +75,12 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
     ([F_i, D] with ``unit_rows``), [bias [F_0], one weight only]; output: [M, sum F_i] in
     x.dtype (``fused``: the only split, bias added) or partial sums [S, M, sum F_i] float32;
     with ``counts`` (fused, one weight) also [blocks] int32: the active outputs (> 0 or NaN,
-    as rounded) of each program's block. With ``dense_above`` (counts), a block with more
-    active outputs than that is *dense*: its program also writes the hidden values h [M, F]
-    float32 of its columns, relu(out) * (x @ w_up) with ``has_up`` (a w_up ref after the
-    bias; the same layout as w), else relu(out).
+    as rounded) of each program's block.
     """
     n_w = len(weights)
     x_ref, w_refs = refs[0], refs[1:1 + n_w]
     b_ref = refs[1 + n_w] if has_bias else None
-    up_ref = refs[1 + n_w + has_bias] if has_up else None
-    outs = list(refs[len(refs) - 1 - counts - (dense_above is not None):])
-    o_ref = outs.pop(0)
-    c_ref = outs.pop(0) if counts else None
-    h_ref = outs.pop(0) if dense_above is not None else None
+    o_ref = refs[-2] if counts else refs[-1]
     j = pl.program_id(0)
     s = pl.program_id(1)
     # The rows [0, m_pad) of x and of the output as index vectors, not ``pl.ds(0, m_pad)``:
@@ -105,7 +97,7 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
         mask_f = f % block_f != 0
         col_ok = cols < f
 
-        def step(w_ref, i, acc):
+        def step(i, acc):
             k0 = k_first + i * block_k
             x_mask = row_ok
             w_mask = None
@@ -126,11 +118,7 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
             return acc + jnp.dot(xk, wk, preferred_element_type=jnp.float32,
                                  precision=precision)
 
-        def matmul(w_ref):
-            return jax.lax.fori_loop(0, steps, functools.partial(step, w_ref),
-                                     jnp.zeros((m_pad, block_f), jnp.float32))
-
-        acc = matmul(w_ref)
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((m_pad, block_f), jnp.float32))
         out_mask = row_ok & col_ok[None, :] if (m_pad != m or mask_f) else None
         out_cols = (out_col0 + cols)[None, :]
         if fused:
@@ -140,18 +128,9 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
             out = acc.astype(o_ref.dtype)
             plgpu.store(o_ref.at[rows, out_cols], out, mask=out_mask)
             if counts:
-                pre = out.astype(jnp.float32)
-                active = jnp.logical_not(pre <= 0.0) & row_ok & col_ok[None, :]
+                active = jnp.logical_not(out.astype(jnp.float32) <= 0.0) & row_ok & col_ok[None, :]
                 # Row sums first: Triton's lowering reduces one axis at a time.
-                count = jnp.sum(jnp.sum(active.astype(jnp.int32), axis=1))
-                c_ref[j] = count
-            if dense_above is not None:
-                @pl.when(count > dense_above)
-                def _():
-                    h = jnp.where(pre <= 0.0, 0.0, pre)  # NaN stays NaN
-                    if has_up:
-                        h = h * matmul(up_ref)
-                    plgpu.store(h_ref.at[rows, out_cols], h, mask=out_mask)
+                refs[-1][j] = jnp.sum(jnp.sum(active.astype(jnp.int32), axis=1))
         else:
             plgpu.store(o_ref.at[s, rows, out_cols], acc, mask=out_mask)
 
@@ -253,13 +232,11 @@ def _check_args(x, w, bias, unit_rows: bool = False) -> tuple[int, int, int]:
 
 def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
                config: GemvConfig | None, interpret: bool | None, allow_fused: bool,
-               unit_rows: bool = False, counts: bool = False,
-               dense_above: int | None = None, w_up: jax.Array | None = None):
+               unit_rows: bool = False, counts: bool = False):
     """The kernel on ``x`` [M, D] and weights ``ws`` ([D, F_i], or [F_i, D] with
     ``unit_rows``; one dtype): ``[M, sum F_i]`` in x.dtype (one D split and ``allow_fused``;
     bias added) or float32 partial sums ``[S, M, sum F_i]`` (bias not added). With
-    ``counts`` (one weight; the config must not split D): ``(out, [blocks] int32)``, and
-    with ``dense_above`` also the dense blocks' h [M, F] float32 (``_gemv_kernel``)."""
+    ``counts`` (one weight; the config must not split D): ``(out, [blocks] int32)``."""
     m, d, _ = _check_args(x, ws[0], bias, unit_rows)
     for w in ws[1:]:
         _check_args(x, w, None, unit_rows)
@@ -285,17 +262,11 @@ def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
         _gemv_kernel, m=m, d=d, m_pad=m_pad, block_k=config.block_k, block_f=config.block_f,
         steps=steps, weights=tuple(weights), has_bias=has_bias, fused=fused,
         mask_k=splits * steps * config.block_k != d, unit_rows=unit_rows, precision=precision,
-        counts=counts, dense_above=dense_above, has_up=w_up is not None)
+        counts=counts)
     out_shape = (jax.ShapeDtypeStruct((m, out_col0), x.dtype) if fused
                  else jax.ShapeDtypeStruct((splits, m, out_col0), jnp.float32))
     if counts:
         out_shape = (out_shape, jax.ShapeDtypeStruct((first_block,), jnp.int32))
-    if dense_above is not None:
-        if not counts:
-            raise ValueError("dense_above needs counts")
-        if w_up is not None and w_up.shape != ws[0].shape:
-            raise ValueError(f"w_up has shape {w_up.shape}, expected {ws[0].shape}")
-        out_shape = (*out_shape, jax.ShapeDtypeStruct((m, out_col0), jnp.float32))
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -304,7 +275,7 @@ def _gemv_call(x: jax.Array, ws: tuple[jax.Array, ...], bias: jax.Array | None,
                                              num_stages=config.num_stages),
         interpret=resolve_interpret(interpret),
         name="twell_gemv",
-    )(x, *ws, *((bias,) if has_bias else ()), *((w_up,) if w_up is not None else ()))
+    )(x, *ws, *((bias,) if has_bias else ()))
 
 
 def gemv(
@@ -349,37 +320,27 @@ def gemv_with_counts(
     w: jax.Array,
     bias: jax.Array | None,
     *,
-    dense_above: int | None = None,
-    w_up: jax.Array | None = None,
     unit_rows: bool = False,
     config: GemvConfig | None = None,
     interpret: bool | None = None,
-):
-    """:func:`gemv` plus each program's count of active outputs, in the same launch; with
-    ``dense_above``, also the hidden values of the busy blocks.
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`gemv` plus each program's count of active outputs, in the same launch.
 
-    This is the decode FFN's gate. D is not split, so every program holds finished outputs
-    and can count them: a block of ``config.block_f`` units with more than ``dense_above``
-    active (row, unit) entries is cheaper multiplied than walked, so its program reads its
-    w_up rows too (the same pipelined loop as the gate's) and writes the block's h; the
-    scan then skips its units and ``slice_down`` multiplies it by w_down.
+    The counts let a later kernel see how busy the whole product is with one small load
+    (the decode FFN's ``scan_up_down`` chooses its dense mode so, with no launch or host
+    round trip in between). D is not split, so every program holds finished outputs.
 
     Args: as :func:`gemv`; ``config`` must have ``k_splits=1`` (default
-      ``default_gemv_counts_config``). ``dense_above``: the busy blocks' threshold (None:
-      counts only). ``w_up``: the gated FFN's up weights, w's shape and layout (None: h is
-      relu(pre), the non-gated form).
+      ``default_gemv_counts_config``).
     Returns:
       ``(pre [M, F] x.dtype, counts [ceil(F / block_f)] int32)``: counts[b] is the number of
-      entries of pre's columns [b * block_f, +block_f) that are > 0 or NaN; with
-      ``dense_above`` also h [M, F] float32, ``relu(pre) * (x @ w_up)`` (float32, at the
-      kernel's dot precision) in the columns of the blocks whose count exceeds it and
-      unspecified elsewhere.
+      entries of pre's columns [b * block_f, +block_f) that are > 0 or NaN.
     """
     if config is None:
         m, d, f = _check_args(x, w, bias, unit_rows)
         config = default_gemv_counts_config(m, d, f)
     return _gemv_call(x, (w,), bias, config, interpret, allow_fused=True, unit_rows=unit_rows,
-                      counts=True, dense_above=dense_above, w_up=w_up)
+                      counts=True)
 
 
 def gemv_partial_sums(

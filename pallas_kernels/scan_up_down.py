@@ -41,8 +41,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import (add_in_order, check_config, check_up_inputs,
-                                   finish_partial_sums, largest_pow2_divisor,
+from pallas_kernels.common import (add_in_order, block_range, check_config, check_up_inputs,
+                                   finish_partial_sums, largest_pow2_divisor, next_pow2,
                                    resolve_interpret)
 from pallas_kernels.slice_down import slice_down
 
@@ -59,6 +59,10 @@ NARROW_SLICE = 128
 # already full and the split only adds a second read of each w_up row.
 SPLIT_D_MAX_PROGRAMS = 128
 SPLIT_D_GROUP = 8
+# Pipelining stages of the scan's loops. Only a call with the dense switch can use more than
+# one (its dense mode's up product streams w_up tiles; 3 stages took it from 38.7 to 32.3 us
+# at one row, 64.4 to 41.4 at 64, H200, D = 2048); without the switch the walk keeps 1.
+DENSE_SWITCH_STAGES = 3
 
 
 class GatePartials(NamedTuple):
@@ -90,10 +94,40 @@ def _gate_chunk(pre_ref, bias_ref, row, col0, ok, width: int, n_parts: int, pre_
     return pre.astype(pre_dtype).astype(jnp.float32)
 
 
+def _dense_hidden(pre_ref, x_ref, w_up_ref, h_ref, *, m: int, f: int, col0, width: int,
+                  d: int, block_k: int, gated: bool, precision):
+    """The dense mode's share of one program: h = relu(pre) * (x @ w_up_t.T) (gated) or
+    relu(pre), float32, for every row and the units [col0, +width), stored in h [M, F]. The
+    up product runs on the tensor cores, rows padded to 16."""
+    m_pad = max(16, next_pow2(m))
+    rows = block_range(0, m_pad)[:, None]
+    row_ok = rows < m
+    cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+    ok = row_ok & (cols < f)[None, :]
+    gate = plgpu.load(pre_ref.at[rows, cols[None, :]], mask=ok, other=0.0).astype(jnp.float32)
+    h = jnp.where(gate <= 0.0, 0.0, gate)  # NaN stays NaN
+    if gated:
+        k_lane = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        w_mask = jnp.broadcast_to((cols < f)[:, None], (width, block_k))
+        x_mask = jnp.broadcast_to(row_ok, (m_pad, block_k))
+
+        def step(i, acc):
+            ks = (i * block_k + k_lane)[None, :]
+            xk = plgpu.load(x_ref.at[rows, ks], mask=x_mask, other=0)
+            wk = plgpu.load(w_up_ref.at[cols[:, None], ks], mask=w_mask, other=0)
+            return acc + jnp.dot(xk, wk.T, preferred_element_type=jnp.float32,
+                                 precision=precision)
+
+        up = jax.lax.fori_loop(0, d // block_k, step, jnp.zeros((m_pad, width), jnp.float32))
+        h = h * up
+    plgpu.store(h_ref.at[rows, cols[None, :]], h, mask=ok)
+
+
 def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: int,
                          num_d_chunks: int, d_splits: int, group: int, gated: bool,
-                         n_parts: int, has_bias: bool, pre_dtype, n_counts: int = 0,
-                         count_block: int = 0, dense_above: int = 0):
+                         n_parts: int, has_bias: bool, pre_dtype, m: int = 0,
+                         n_counts: int = 0, dense_above: int = 0, dense_width: int = 0,
+                         dense_block_k: int = 0, precision=None):
     """One program: row ``program_id(0)``, columns [s * block_f, +block_f) for s =
     ``program_id(1)``, output columns [k * D / d_splits, +D / d_splits) for k =
     ``program_id(2)`` (the up product still reads whole rows of ``w_up_t``).
@@ -103,21 +137,61 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     only), w_down [F, D]; outputs y [S, M, D] and l1 [M, S, d_splits] float32 (this program's
     partial sums at [s, row, its columns] and [row, s, k]).
 
-    With ``n_counts`` (the dense switch), a counts [n_counts] int32 ref follows the gate's:
-    the units of a block of ``count_block`` columns whose count exceeds ``dense_above`` are
-    left to the dense products (``gemv_with_counts``' h, then ``slice_down``) and not walked.
+    With ``n_counts`` (the dense switch; pre given as [M, F]): a counts [n_counts] int32 ref
+    after the gate's, and an output h [M, F] float32 last. When the counts add up to more
+    than ``dense_above`` the call is dense: no program walks; the programs of slice s instead
+    share its hidden values (``_dense_hidden``: ``dense_width`` units each, every row) and
+    write h for ``slice_down``, leaving y unwritten and l1 zero.
     """
     refs = list(refs)
     pre_ref = refs.pop(0)
     bias_ref = refs.pop(0) if has_bias else None
     counts_ref = refs.pop(0) if n_counts else None
+    h_ref = refs.pop() if n_counts else None
     if gated:
         x_ref, w_up_ref, w_down_ref, y_ref, l1_ref = refs
     else:
         w_down_ref, y_ref, l1_ref = refs
+        x_ref = w_up_ref = None
     row = pl.program_id(0)
     part = pl.program_id(1)
     split = pl.program_id(2)
+    if not n_counts:
+        _walk(pre_ref, bias_ref, x_ref, w_up_ref, w_down_ref, y_ref, l1_ref, row, part, split,
+              f=f, block_f=block_f, scan_width=scan_width, block_d=block_d,
+              num_d_chunks=num_d_chunks, d_splits=d_splits, group=group, gated=gated,
+              n_parts=n_parts, pre_dtype=pre_dtype)
+        return
+    lanes = block_range(0, next_pow2(n_counts))
+    dense = jnp.sum(plgpu.load(counts_ref.at[lanes], mask=lanes < n_counts,
+                               other=0)) > dense_above
+
+    @pl.when(jnp.logical_not(dense))
+    def _():
+        _walk(pre_ref, bias_ref, x_ref, w_up_ref, w_down_ref, y_ref, l1_ref, row, part, split,
+              f=f, block_f=block_f, scan_width=scan_width, block_d=block_d,
+              num_d_chunks=num_d_chunks, d_splits=d_splits, group=group, gated=gated,
+              n_parts=n_parts, pre_dtype=pre_dtype)
+
+    share = row * d_splits + split  # this program's share of its slice in the dense mode
+
+    @pl.when(dense)
+    def _():
+        l1_ref[row, part, split] = jnp.float32(0.0)
+
+    @pl.when(dense & (share < block_f // dense_width))
+    def _():
+        _dense_hidden(pre_ref, x_ref, w_up_ref, h_ref, m=m, f=f,
+                      col0=part * block_f + share * dense_width, width=dense_width,
+                      d=num_d_chunks * block_d, block_k=dense_block_k, gated=gated,
+                      precision=precision)
+
+
+def _walk(pre_ref, bias_ref, x_ref, w_up_ref, w_down_ref, y_ref, l1_ref, row, part, split, *,
+          f: int, block_f: int, scan_width: int, block_d: int, num_d_chunks: int,
+          d_splits: int, group: int, gated: bool, n_parts: int, pre_dtype):
+    """The sparse walk of one program (``_scan_up_down_kernel``): its row's active units in
+    its slice, their weight rows gathered in groups."""
     d_chunks = [pl.ds(c * block_d, block_d) for c in range(num_d_chunks)]
     d_iota = jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
     d_cols = [c * block_d + d_iota for c in range(num_d_chunks)]
@@ -167,9 +241,6 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
         gate = _gate_chunk(pre_ref, bias_ref, row, col0, cols < f, scan_width, n_parts,
                            pre_dtype)
         active = jnp.logical_not(gate <= 0.0) & (cols < f)  # > 0 or NaN
-        if n_counts:  # a dense block's units are multiplied, not walked
-            busy = plgpu.load(counts_ref.at[cols // count_block], mask=cols < f, other=0)
-            active = active & (busy <= dense_above)
         p = active.astype(jnp.int32)
         rank = jnp.cumsum(p) - p  # active units before each lane
         groups = (jnp.sum(p) + group - 1) // group
@@ -199,6 +270,12 @@ class ScanUpDownConfig:
         output columns: more programs walk a busy call's units at once, each with a larger
         group in the same registers, at the cost of reading the units' w_up rows d_splits
         times (from the L2 after the first). D must be a multiple of block_d * d_splits.
+      num_stages: Triton pipelining stages (of every loop: the walk's and the dense mode's),
+        used only with the dense switch; without it the walk runs with one.
+      dense_width: the dense mode's units per program (power of two >= 16), every row at
+        once; the slice's M * d_splits programs share its block_f units, so at least
+        block_f / (M * d_splits) (raised to that where smaller).
+      dense_block_k: the dense mode's D step of the up product (power of two >= 16).
     """
 
     block_f: int = 128
@@ -207,12 +284,18 @@ class ScanUpDownConfig:
     num_warps: int = 4
     group: int = 4
     d_splits: int = 1
+    num_stages: int = 1
+    dense_width: int = 64
+    dense_block_k: int = 128
 
     def __post_init__(self):
         check_config(self, ("block_f", "scan_width", "block_d", "num_warps", "group",
-                            "d_splits"))
+                            "d_splits", "dense_width", "dense_block_k"))
         if self.scan_width > self.block_f:
             raise ValueError(f"scan_width={self.scan_width} must be <= block_f={self.block_f}")
+        if min(self.dense_width, self.dense_block_k) < 16:
+            raise ValueError(f"the dense mode's dot needs dense_width and dense_block_k >= 16, "
+                             f"got {self.dense_width} and {self.dense_block_k}")
 
 
 def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
@@ -251,7 +334,7 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
                             block_d=1024 if split_d else largest_pow2_divisor(d, 2048),
                             num_warps=max(1, min(warps, d // 256)),
                             group=SPLIT_D_GROUP if split_d else 4,
-                            d_splits=2 if split_d else 1)
+                            d_splits=2 if split_d else 1, num_stages=DENSE_SWITCH_STAGES)
 
 
 def _check_args(pre, x, w_up_t, w_down, gated: bool) -> tuple[int, int, int]:
@@ -308,16 +391,13 @@ def scan_up_down(
 
 
 class DenseSwitch(NamedTuple):
-    """Busy blocks of F multiplied densely instead of walked (``gemv_with_counts``): a block
-    of ``block`` units whose count of active (row, unit) entries exceeds ``above`` has its
-    hidden values in ``h``; the scan skips its units and ``slice_down`` adds ``h @ w_down``
-    over it to the slice's partial sums. Walking costs each row's own weight reads; the dense
-    block reads each weight row once for every row of the call."""
+    """The decode path's dense mode, chosen on the device: when ``sum(counts) > above`` the
+    call multiplies every unit (the up product of all rows on the tensor cores, then
+    ``slice_down``) instead of walking each row's active units, whose reads grow with the
+    rows times their units while the dense products read each weight once."""
 
-    counts: jax.Array  # [B] int32: active entries per block of `block` units
-    above: int  # the threshold on a block's count
-    block: int  # units per block (the counting GEMV's block_f)
-    h: jax.Array  # [M, F] float32: the busy blocks' hidden values (unspecified elsewhere)
+    counts: jax.Array  # [B] int32: the gate's active entries per block (gemv_with_counts)
+    above: int  # the threshold on their sum
 
 
 def scan_up_down_partial_sums(
@@ -333,10 +413,9 @@ def scan_up_down_partial_sums(
     """:func:`scan_up_down` with y left as the programs' float32 partial sums, one per slice
     of ``config.block_f`` columns of F: ``finish_partial_sums(y_parts, None, dtype)`` (the
     slices added in order, rounded once) is ``scan_up_down``'s y. Arguments as there (no
-    ``out_dtype``), and ``switch``: the busy blocks computed densely (pre must then be the
-    finished [M, F] pre-activation that the counts were taken of, ``block_f`` a multiple of
-    ``switch.block``); their products are added to the slices' partial sums by
-    ``slice_down``, and their |h| to l1.
+    ``out_dtype``), and ``switch``: the dense mode's counts and threshold (pre must then be
+    the finished [M, F] pre-activation the counts were taken of). A dense call's partial sums
+    are ``slice_down``'s, over the same slices.
 
     Returns:
       ``(y_parts [S, M, D] float32, l1 [M] float32)``, S = ceil(F / block_f).
@@ -349,39 +428,53 @@ def scan_up_down_partial_sums(
                          f"d_splits={config.d_splits}")
     slices = -(-f // config.block_f)
     parts = isinstance(pre, GatePartials)
-    if switch is not None and (parts or config.block_f % switch.block):
-        raise ValueError("the dense switch needs the finished pre-activation [M, F] and "
-                         f"block_f={config.block_f} a multiple of its block={switch.block}")
+    if switch is not None and parts:
+        raise ValueError("the dense switch needs the finished pre-activation [M, F], not "
+                         "GatePartials")
     has_bias = parts and pre.bias is not None
+    dense_width = min(config.block_f,
+                      max(config.dense_width, config.block_f // (m * config.d_splits)))
+    dense_block_k = largest_pow2_divisor(d, config.dense_block_k)
+    if switch is not None and dense_block_k < 16:
+        raise ValueError(f"the dense switch needs D={d} to be a multiple of 16")
     kernel = functools.partial(_scan_up_down_kernel, f=f, block_f=config.block_f,
                                scan_width=config.scan_width, block_d=config.block_d,
                                num_d_chunks=d // config.block_d, d_splits=config.d_splits,
                                group=config.group, gated=gated,
                                n_parts=pre.sums.shape[0] if parts else 0,
-                               has_bias=has_bias, pre_dtype=jnp.dtype(pre.dtype),
+                               has_bias=has_bias, pre_dtype=jnp.dtype(pre.dtype), m=m,
                                n_counts=0 if switch is None else switch.counts.shape[0],
-                               count_block=0 if switch is None else switch.block,
-                               dense_above=0 if switch is None else int(switch.above))
+                               dense_above=0 if switch is None else int(switch.above),
+                               dense_width=dense_width, dense_block_k=dense_block_k,
+                               precision=(jax.lax.Precision.HIGHEST
+                                          if jnp.dtype(w_down.dtype) == jnp.float32 else None))
     gate = (pre.sums, *((pre.bias,) if has_bias else ())) if parts else (pre,)
     if switch is not None:
         gate = (*gate, switch.counts)
     inputs = (*gate, x, w_up_t, w_down) if gated else (*gate, w_down)
-    y_parts, l1_parts = pl.pallas_call(
+    out_shape = [jax.ShapeDtypeStruct((slices, m, d), jnp.float32),
+                 jax.ShapeDtypeStruct((m, slices, config.d_splits), jnp.float32)]
+    if switch is not None:
+        out_shape.append(jax.ShapeDtypeStruct((m, f), jnp.float32))
+    outs = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((slices, m, d), jnp.float32),
-                   jax.ShapeDtypeStruct((m, slices, config.d_splits), jnp.float32)),
+        out_shape=tuple(out_shape),
         grid=(m, slices, config.d_splits),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps,
+            num_stages=config.num_stages if switch is not None else 1),
         interpret=resolve_interpret(interpret),
         name="twell_scan_up_down",
     )(*inputs)
-    l1 = jnp.sum(l1_parts[:, :, 0], axis=1)  # every split computes the same l1
+    y_parts, l1 = outs[0], jnp.sum(outs[1][:, :, 0], axis=1)  # every split: the same l1
     if switch is None:
         return y_parts, l1
-    y_parts = slice_down(switch.h, w_down, switch.counts, y_parts, dense_above=switch.above,
-                         count_block=switch.block, block_f=config.block_f, interpret=interpret)
-    busy = jnp.repeat(switch.counts > switch.above, switch.block)[:f]
-    return y_parts, l1 + jnp.sum(jnp.where(busy[None, :], jnp.abs(switch.h), 0.0), axis=1)
+    h = outs[2]
+    y_parts = slice_down(h, w_down, switch.counts, y_parts, dense_above=switch.above,
+                         block_f=config.block_f, interpret=interpret)
+    dense = jnp.sum(switch.counts) > switch.above
+    # (h is unwritten in a sparse call: selected away, never read into the result.)
+    return y_parts, jnp.where(dense, jnp.sum(jnp.abs(jnp.where(dense, h, 0.0)), axis=1), l1)
 
 
 def scan_up_down_reference(

@@ -235,16 +235,14 @@ def test_scan_up_down_on_partial_sums_lowers():
 
 
 def test_decode_dense_switch_lowers():
-    """The decode FFN with its dense switch: the counting GEMV (with the busy blocks' up
-    product), the scan skipping those blocks, and ``slice_down``."""
+    """The decode FFN with its dense switch: the counting GEMV, the scan (walk and dense mode,
+    3 stages) and ``slice_down``."""
     from pallas_kernels.gemv import gemv_with_counts
     from pallas_kernels.scan_up_down import DenseSwitch, scan_up_down_partial_sums
 
     def fn(x, w_in, bias, w_up, w_down):  # every weight [F, D], the FFN's layout
-        pre, counts, h = gemv_with_counts(x, w_in, bias, dense_above=100, w_up=w_up,
-                                          unit_rows=True, interpret=False)
-        return scan_up_down_partial_sums(pre, x, w_up, w_down,
-                                         switch=DenseSwitch(counts, 100, 32, h),
+        pre, counts = gemv_with_counts(x, w_in, bias, unit_rows=True, interpret=False)
+        return scan_up_down_partial_sums(pre, x, w_up, w_down, switch=DenseSwitch(counts, 100),
                                          interpret=False)
 
     w = S((F, D), BF16)

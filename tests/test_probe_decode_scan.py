@@ -8,6 +8,7 @@ import pytest
 
 import pallas_kernels.gemv as gemv_module
 import pallas_kernels.scan_up_down as scan_module
+import pallas_kernels.slice_down as slice_down_module
 from tests.utils import load_experiment
 
 
@@ -18,7 +19,7 @@ def probe():
 
 
 def test_variant_overrides_scan_and_gemv_fields(probe):
-    scan, gemv, _, _ = probe.parse_variant(
+    scan, gemv, _, _, _ = probe.parse_variant(
         "group=2,scan_width=block_f,gemv.k_splits=2,gemv.block_f=32")
     base_scan = scan_module.default_scan_up_down_config(8, 2048, 5632)
     base_gemv = gemv_module.default_gemv_config(8, 2048, 5632)
@@ -35,12 +36,13 @@ def test_variant_overrides_scan_and_gemv_fields(probe):
 
 
 def test_variant_overrides_the_counting_gemv_and_the_twell_config(probe):
-    _, gemv, counts, twell = probe.parse_variant(
-        "gemv_counts.block_f=16,twell.dense_fallback_density=1.0")
+    _, gemv, counts, twell, slice_down = probe.parse_variant(
+        "gemv_counts.block_f=16,twell.dense_fallback_density=1.0,slice_down.block_n=64")
     assert counts(1, 2048, 5632).block_f == 16
     assert counts(1, 2048, 5632).k_splits == 1
     assert gemv(1, 2048, 5632) == gemv_module.default_gemv_config(1, 2048, 5632)
     assert twell.dense_fallback_density == 1.0
+    assert slice_down(1, 2048, 128).block_n == 64
     assert probe.parse_variant("group=2")[3] == probe.DEFAULT_CONFIGS[3]
 
 
@@ -68,6 +70,7 @@ def test_use_configs_swaps_and_restores_the_defaults(probe):
         probe.use_configs(defaults)
     assert (scan_module.default_scan_up_down_config, gemv_module.default_gemv_config,
             gemv_module.default_gemv_counts_config) == defaults[:3]
+    assert slice_down_module.default_slice_down_config is defaults[4]
 
 
 @pytest.mark.slow  # a probe's end-to-end run; its variant parsing stays in the fast tier

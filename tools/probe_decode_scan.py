@@ -85,8 +85,8 @@ def parse_variant(text: str):
     slice_down = take(SLICE_DOWN_PREFIX)
     slice_down_config = DEFAULT_SLICE_DOWN_CONFIG
     if slice_down:
-        slice_down_config = lambda m, d: dataclasses.replace(
-            DEFAULT_SLICE_DOWN_CONFIG(m, d), **{k: int(v) for k, v in slice_down.items()})
+        slice_down_config = lambda *shape: dataclasses.replace(
+            DEFAULT_SLICE_DOWN_CONFIG(*shape), **{k: int(v) for k, v in slice_down.items()})
     return (_overridden(DEFAULT_CONFIG, scan), _overridden(DEFAULT_GEMV_CONFIG, take(GEMV_PREFIX)),
             _overridden(DEFAULT_GEMV_COUNTS_CONFIG, take(GEMV_COUNTS_PREFIX)),
             dataclasses.replace(tj.TwELLConfig(), **twell), slice_down_config)

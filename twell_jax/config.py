@@ -59,16 +59,17 @@ class CostModel:
         row the walk costs about the dense FFN or more."""
         return entries * 2.0 * d * itemsize / self.decode_gather_bytes_per_s
 
-    def decode_dense_share(self, m: int) -> float:
-        """The decode path's dense switch for a call of m rows: a block of units whose share
-        of active (row, unit) entries exceeds this is multiplied densely (its weight rows
-        read once for every row) instead of walked (each row reading its own):
-        ``decode_dense_entries_per_unit / m``, at most ``decode_dense_max_share``. On an
-        H200 at D = 2048 the walk costs ~1.8 ns an entry at 64 rows and ~7.6 ns at one row
-        (fewer rows walk with fewer programs), a dense unit ~1.7 ns: so from a few rows on
-        about one entry per unit breaks even, and one row walks up to ~40% of its units
-        (``tools/probe_decode_scan.py``, docs/performance.md)."""
-        return min(self.decode_dense_max_share, self.decode_dense_entries_per_unit / max(m, 1))
+    def decode_dense_above(self, m: int, d: int, f: int, itemsize: int) -> int:
+        """The decode path's dense switch for one call of m rows: the active (row, unit)
+        entries past which its dense mode (every unit's up product for all rows, then the down
+        by slices: about 1.25x the dense FFN at D = 2048, 1.05x at D = 4096) beats walking
+        them: ``decode_dense_entries_per_unit`` x F entries, at most
+        ``decode_dense_max_share`` of the call's M * F. The walk costs ~1.8 ns an entry at 64
+        rows and ~7.6 ns at one row (D = 2048, H200: fewer rows walk with fewer programs), so
+        from a few rows on the break-even is about one entry per unit of F, and one row walks
+        up to ~40% of its units first (``tools/probe_decode_scan.py``, docs/performance.md)."""
+        del d, itemsize
+        return int(min(self.decode_dense_entries_per_unit, self.decode_dense_max_share * m) * f)
 
     def decode_row_units(self, nnz_mean, nnz_p99=None):
         """The active units per row that a decode step's up/down costs as if every row held:
@@ -185,10 +186,9 @@ class TwELLConfig:
         sparse path's fixed cost exceeds the dense FFN (decode sizes on the H100). The cost
         model applies only to compiled kernels: in interpret mode (no GPU) the sparse path
         always runs. A float: dense when the mean fraction of active units exceeds it
-        (``1.0``: never dense, ``0.0``: always). On the decode path (``decode_rows``) a
-        block of units with more than that share of its (row, unit) entries active is
-        multiplied densely instead of walked, chosen inside the kernels
-        (``CostModel.decode_dense_share`` when None; ``1.0``: no switch).
+        (``1.0``: never dense, ``0.0``: always). On the decode path (``decode_rows``) the
+        same share of the call's M * F (row, unit) entries switches its up/down to dense
+        products, chosen inside its kernels (``CostModel.decode_dense_above`` when None).
       cost_model: the measured device rates behind the ``None`` decision.
       decode_rows: calls of at most this many token rows that are not differentiated (decode
         steps, small batches) run the backend's list-free decode path when it has one

@@ -578,32 +578,36 @@ def _twell_backward(gated, implementation, config, residuals: _Residuals, cotang
     return dx, d_weights, d_bias
 
 
-def _decode_dense_share(backend: Backend, x: jax.Array, config: TwELLConfig,
-                        partial_sums: bool) -> float | None:
-    """The decode path's dense switch: the share of a block's (row, unit) entries past which
-    the block is multiplied densely instead of walked, or None for no switch.
+def _decode_dense_above(backend: Backend, x: jax.Array, f: int, config: TwELLConfig,
+                        partial_sums: bool) -> int | None:
+    """The decode path's dense switch: the active (row, unit) entries past which a call
+    multiplies every unit instead of walking each row's, or None for no switch.
 
-    ``dense_fallback_density`` (a float) sets it (``1.0``: no switch); else the cost model
-    (``CostModel.decode_dense_share``), compiled kernels only. The model's decode steps
-    (``partial_sums``) have none: their loop decides once, from the prefill's activity
-    (``decode_runs_dense``), and so skips the switch's launch."""
+    ``dense_fallback_density`` (a float) sets it as a share of the call's M * F entries
+    (``1.0``: no switch); else the cost model (``CostModel.decode_dense_above``), compiled
+    kernels only. The model's decode steps (``partial_sums``) have none: their loop decides
+    once, from the prefill's activity (``decode_runs_dense``), and so skips the switch's
+    launch."""
     if partial_sums or not backend.cost_model_routes:
         return None
+    m, d = x.shape
     if config.dense_fallback_density is not None:
-        return None if config.dense_fallback_density >= 1.0 else config.dense_fallback_density
+        if config.dense_fallback_density >= 1.0:
+            return None
+        return int(config.dense_fallback_density * m * f)
     if not _cost_model_decides(config):
         return None
-    return config.cost_model.decode_dense_share(x.shape[0])
+    return config.cost_model.decode_dense_above(m, d, f, jnp.dtype(x.dtype).itemsize)
 
 
 def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_sums=False):
     """The backend's list-free decode path: (y [M, D], FFNStats). Every row exact, no backup.
     ``partial_sums``: y may come back as the backend's float32 partial sums [S, M, D]."""
     weights = _compute_weights(x, params)
-    y, l1_rows, active = backend.decode(
-        x, weights[0], bias, weights[1] if gated else None, weights[-1],
-        partial_sums=partial_sums,
-        dense_share=_decode_dense_share(backend, x, config, partial_sums))
+    dense_above = _decode_dense_above(backend, x, weights[-1].shape[0], config, partial_sums)
+    y, l1_rows, active = backend.decode(x, weights[0], bias, weights[1] if gated else None,
+                                        weights[-1], partial_sums=partial_sums,
+                                        dense_above=dense_above)
     return y, _stats_from_active(active, l1_rows, config)
 
 

@@ -39,17 +39,16 @@ row per unit (``twell_jax.layout``).
   that, when true, allows outputs left unspecified (the caller discards them: the backward of
   a batch that went dense); a backend may compute them anyway.
 - ``decode(x [M, D], w_in [F, D], bias [F] or None, w_up [F, D] or None, w_down [F, D],
-  partial_sums=False, dense_share=None)`` -> ``(y [M, D] x.dtype, l1 [M] float32, active
+  partial_sums=False, dense_above=None)`` -> ``(y [M, D] x.dtype, l1 [M] float32, active
   [M, F] bool)``
   (optional; with ``partial_sums`` a backend may return y as float32 partial sums [S, M, D]
   instead, which ``finish_partial_sums(y, None, x.dtype)`` turns into y): the whole sparse FFN
   of a few rows without lists (``w_in`` is the gate, or the up projection when ``w_up`` is
   None; l1 = sum_j |h_j|; active: the units with a positive gate). ``ffn.py`` runs it for
   calls of at most ``TwELLConfig.decode_rows`` rows that are not differentiated (decode
-  steps); every row is exact whatever its count, so there is no dense backup.
-  ``dense_share`` (a float): a block of units with more than that share of its (row, unit)
-  entries active may be multiplied densely instead of walked, chosen on the device
-  (``"pallas"``: inside its kernels, no host round trip).
+  steps); every row is exact whatever its count, so there is no dense backup. ``dense_above``
+  (an int): a call with more active (row, unit) entries than that may multiply every unit
+  instead, chosen on the device (``"pallas"``: inside its kernels, no host round trip).
 - ``add_product(y [M, D], h [M, K], w [K, D], run [] bool)`` -> ``y + h @ w`` (float32
   accumulation, rounded once to y.dtype) where ``run``, else y; ideally in y's buffer: the hot
   units' output and input gradient (``twell_jax.hot_units``).

@@ -25,7 +25,6 @@ from pallas_kernels.add_product import add_product, add_product_reference
 from pallas_kernels.add_product import fits as add_product_fits
 from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from pallas_kernels import gemv as gemv_kernels
 from pallas_kernels.gemv import gemv_partial_sums, gemv_with_counts
 from pallas_kernels.row_backward import row_dx, row_entry_grads
 from pallas_kernels.row_pack import row_pack
@@ -146,25 +145,18 @@ def _sparse_outer(values, columns, row_nnz, b, d_ff, skip=None):
     return tuple(o[:, :d] for o in out)
 
 
-def _decode(x, w_in, bias, w_up, w_down, partial_sums=False, dense_share=None):
+def _decode(x, w_in, bias, w_up, w_down, partial_sums=False, dense_above=None):
     # The gate on the GEMV kernel. Below 8 rows XLA's dot is ~2x slower than the weight read;
     # at 8 and 64 rows the whole decode FFN is 0.7 and 1.5 us faster this way than with XLA's
-    # dot (H100). With the dense switch the GEMV is unsplit: each program counts its block's
-    # active entries and, when the block is busy, computes its hidden values too (the scan
-    # skips such blocks, slice_down multiplies them). Without it, its D-split partial sums go
-    # straight to the scan, which adds them itself: no launch or [M, F] write in between.
+    # dot (H100). With the dense switch the GEMV is unsplit and counts its active outputs, so
+    # the scan can choose the dense mode from one small load; without it, its D-split partial
+    # sums go straight to the scan, which adds them itself: no launch or [M, F] write between.
     switch = None
-    m = x.shape[0]
-    if m <= GEMV_MAX_ROWS and dense_share is not None:
-        # (Looked up at call time, so a probe that swaps the default swaps it everywhere.)
-        config = gemv_kernels.default_gemv_counts_config(m, x.shape[1], w_in.shape[0])
-        block = config.block_f
-        above = int(dense_share * m * block)
-        pre, counts, h = gemv_with_counts(x, w_in, bias, dense_above=above, w_up=w_up,
-                                          unit_rows=True, config=config)
-        gate = pre
-        switch = DenseSwitch(counts, above, block, h)
-    elif m <= GEMV_MAX_ROWS:
+    if x.shape[0] <= GEMV_MAX_ROWS and dense_above is not None:
+        gate, counts = gemv_with_counts(x, w_in, bias, unit_rows=True)
+        pre = gate
+        switch = DenseSwitch(counts, dense_above)
+    elif x.shape[0] <= GEMV_MAX_ROWS:
         gate = GatePartials(gemv_partial_sums(x, w_in, unit_rows=True), bias, x.dtype)
         pre = gate.pre()  # only for the statistics: dead code unless they are used
     else:

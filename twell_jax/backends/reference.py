@@ -118,11 +118,11 @@ def _row_dx(w_up, w_gate, gate: RowLists, d1, d2, dx_dtype):
     return dx.astype(dx_dtype)
 
 
-def _decode(x, w_in, bias, w_up, w_down, partial_sums=False, dense_share=None):
+def _decode(x, w_in, bias, w_up, w_down, partial_sums=False, dense_above=None):
     """The decode path in float32: the gate as ``_pack`` computes it, then the active units'
-    products (inactive units' hidden values exactly zero): what the dense switch computes
-    too, so it has none. y is always finished."""
-    del partial_sums, dense_share
+    products (inactive units' hidden values exactly zero), the same function in either mode
+    of the dense switch. y is always finished."""
+    del partial_sums, dense_above
     pre = dot_rows(x, w_in, jnp.float32)
     if bias is not None:
         pre = pre + bias.astype(jnp.float32)
