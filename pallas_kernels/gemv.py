@@ -128,7 +128,8 @@ def _gemv_kernel(*refs, m: int, d: int, m_pad: int, block_k: int, block_f: int, 
             out = acc.astype(o_ref.dtype)
             plgpu.store(o_ref.at[rows, out_cols], out, mask=out_mask)
             if counts:
-                active = jnp.logical_not(out.astype(jnp.float32) <= 0.0) & row_ok & col_ok[None, :]
+                active = (jnp.logical_not(out.astype(jnp.float32) <= 0.0) & row_ok
+                          & col_ok[None, :])
                 # Row sums first: Triton's lowering reduces one axis at a time.
                 refs[-1][j] = jnp.sum(jnp.sum(active.astype(jnp.int32), axis=1))
         else:

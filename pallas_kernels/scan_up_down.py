@@ -28,6 +28,15 @@ per unit, and a decode-sized call waits for its busiest program.) Busy chunks (h
 a dense call) take the same walk: on the H100 it matched multiplying a chunk's whole
 [scan_width, D] weight slabs near the design point and was 2-6x faster at 20-50% active, as
 that reads every row of the slabs, one tile after another.
+
+A busy *call* is another matter: its rows together read the weight rows of their units many
+times over, where dense products read each once. With a ``DenseSwitch`` (the counts of
+``gemv_with_counts``, the gate GEMV that leaves D unsplit so each program can count its
+finished outputs) every program sums the counts from one small load; above the threshold no
+program walks, and the programs of each slice share its units instead, computing the hidden
+values of every row on the tensor cores; ``slice_down`` then multiplies them by w_down into the
+same per-slice partial sums. The same launches run either way, so the choice needs no
+conditional and no host round trip.
 """
 
 from __future__ import annotations

@@ -68,11 +68,6 @@ def default_slice_down_config(m: int, d: int, block_f: int) -> SliceDownConfig:
                            block_u=max(16, min(64, block_f)), num_warps=4, num_stages=3)
 
 
-def dense_flag(counts: jax.Array, above: int) -> jax.Array:
-    """[] bool: the dense mode's condition, ``sum(counts) > above``, as the kernels read it."""
-    return jnp.sum(counts) > above
-
-
 def _counts_total(counts_ref, n_counts: int):
     lanes = block_range(0, next_pow2(n_counts))
     return jnp.sum(plgpu.load(counts_ref.at[lanes], mask=lanes < n_counts, other=0))
