@@ -299,14 +299,17 @@ def test_scan_up_down_rejects_bad_input():
 @pytest.mark.slow  # ~30 s on 2 cores: twelve jitted calls in interpret mode
 def test_probe_script_times_every_variant(tmp_path):
     """``tools/probe_decode_scan.py --smoke --trained``: the default config, a variant and the
-    dense FFN timed in both ways on uniform rows and on rows with the trained model's counts,
-    after a header that names the command."""
+    two dense FFNs timed in both ways on uniform rows and on rows with the trained model's
+    counts, each variant checked against float64 first, after a header that names the
+    command."""
     with load_experiment("probe_decode_scan") as probe:
         rows = probe.main(["--smoke", "--trained", "--out", str(tmp_path / "probe.jsonl")])
     assert [r["pattern"] for r in rows] == ["uniform", "trained"]
     for row in rows:
         for mode in ("loop", "unrolled"):
-            assert set(row[mode]) == {"default", "group=2", "dense"}
+            assert set(row[mode]) == {"default", "group=2", "dense", "plain"}
             assert all(v["median_us"] > 0 for v in row[mode].values())
+        assert set(row["rel_error_float64"]) == {"default", "group=2"}
+        assert all(0 < e < 1e-2 for e in row["rel_error_float64"].values())
     header = json.loads((tmp_path / "probe.jsonl").read_text().splitlines()[0])
     assert {"date", "device", "jax", "commit", "command"} <= set(header)
