@@ -139,8 +139,8 @@ def test_the_models_decode_steps_keep_the_plain_walk():
 def test_cost_model_threshold_grows_to_one_entry_per_unit():
     cost = tj.TwELLConfig().cost_model
     f = 5632
-    assert cost.decode_dense_above(1, 2048, f, 2) == int(cost.decode_dense_max_share * f)
-    assert cost.decode_dense_above(8, 2048, f, 2) == f
-    assert cost.decode_dense_above(64, 2048, f, 2) == f
+    assert cost.decode_dense_above(1, f) == int(cost.decode_dense_max_share * f)
+    assert cost.decode_dense_above(8, f) == f
+    assert cost.decode_dense_above(64, f) == f
     off = dataclasses.replace(cost, decode_dense_entries_per_unit=0.5)
-    assert off.decode_dense_above(64, 2048, f, 2) == f // 2
+    assert off.decode_dense_above(64, f) == f // 2

@@ -59,16 +59,17 @@ class CostModel:
         row the walk costs about the dense FFN or more."""
         return entries * 2.0 * d * itemsize / self.decode_gather_bytes_per_s
 
-    def decode_dense_above(self, m: int, d: int, f: int, itemsize: int) -> int:
+    def decode_dense_above(self, m: int, f: int) -> int:
         """The decode path's dense switch for one call of m rows: the active (row, unit)
         entries past which its dense mode (every unit's up product for all rows, then the down
-        by slices: about 1.25x the dense FFN at D = 2048, 1.05x at D = 4096) beats walking
+        by slices: about 1.25x the dense FFN at D = 2048, 1.05-1.1x at D = 4096) beats walking
         them: ``decode_dense_entries_per_unit`` x F entries, at most
         ``decode_dense_max_share`` of the call's M * F. The walk costs ~1.8 ns an entry at 64
         rows and ~7.6 ns at one row (D = 2048, H200: fewer rows walk with fewer programs), so
         from a few rows on the break-even is about one entry per unit of F, and one row walks
-        up to ~40% of its units first (``tools/probe_decode_scan.py``, docs/performance.md)."""
-        del d, itemsize
+        up to ~40% of its units first (``tools/probe_decode_scan.py``, docs/performance.md).
+        Measured at D = 2048 only: one row at D = 4096 walks faster than its dense mode even
+        half active."""
         return int(min(self.decode_dense_entries_per_unit, self.decode_dense_max_share * m) * f)
 
     def decode_row_units(self, nnz_mean, nnz_p99=None):

@@ -590,14 +590,14 @@ def _decode_dense_above(backend: Backend, x: jax.Array, f: int, config: TwELLCon
     launch."""
     if partial_sums or not backend.cost_model_routes:
         return None
-    m, d = x.shape
+    m = x.shape[0]
     if config.dense_fallback_density is not None:
         if config.dense_fallback_density >= 1.0:
             return None
         return int(config.dense_fallback_density * m * f)
     if not _cost_model_decides(config):
         return None
-    return config.cost_model.decode_dense_above(m, d, f, jnp.dtype(x.dtype).itemsize)
+    return config.cost_model.decode_dense_above(m, f)
 
 
 def _decode_forward(backend: Backend, x, params, bias, gated, config, partial_sums=False):
