@@ -283,7 +283,7 @@ class ScanUpDownConfig:
         used only with the dense switch; without it the walk runs with one.
       dense_width: the dense mode's units per program (power of two >= 16), every row at
         once; the slice's M * d_splits programs share its block_f units, so at least
-        block_f / (M * d_splits) (raised to that where smaller).
+        block_f / (M * d_splits), rounded up to a power of two (raised to that where smaller).
       dense_block_k: the dense mode's D step of the up product (power of two >= 16).
     """
 
@@ -293,7 +293,7 @@ class ScanUpDownConfig:
     num_warps: int = 4
     group: int = 4
     d_splits: int = 1
-    num_stages: int = 1
+    num_stages: int = DENSE_SWITCH_STAGES
     dense_width: int = 64
     dense_block_k: int = 128
 
@@ -343,7 +343,7 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
                             block_d=1024 if split_d else largest_pow2_divisor(d, 2048),
                             num_warps=max(1, min(warps, d // 256)),
                             group=SPLIT_D_GROUP if split_d else 4,
-                            d_splits=2 if split_d else 1, num_stages=DENSE_SWITCH_STAGES)
+                            d_splits=2 if split_d else 1)
 
 
 def _check_args(pre, x, w_up_t, w_down, gated: bool) -> tuple[int, int, int]:
@@ -441,8 +441,9 @@ def scan_up_down_partial_sums(
         raise ValueError("the dense switch needs the finished pre-activation [M, F], not "
                          "GatePartials")
     has_bias = parts and pre.bias is not None
-    dense_width = min(config.block_f,
-                      max(config.dense_width, config.block_f // (m * config.d_splits)))
+    # A power of two (so the slice's shares tile it exactly) of at least block_f / programs.
+    dense_width = min(config.block_f, max(config.dense_width,
+                                          next_pow2(-(-config.block_f // (m * config.d_splits)))))
     dense_block_k = largest_pow2_divisor(d, config.dense_block_k)
     if switch is not None and dense_block_k < 16:
         raise ValueError(f"the dense switch needs D={d} to be a multiple of 16")
@@ -482,8 +483,8 @@ def scan_up_down_partial_sums(
     y_parts = slice_down(h, w_down, switch.counts, y_parts, dense_above=switch.above,
                          block_f=config.block_f, interpret=interpret)
     dense = jnp.sum(switch.counts) > switch.above
-    # (h is unwritten in a sparse call: selected away, never read into the result.)
-    return y_parts, jnp.where(dense, jnp.sum(jnp.abs(jnp.where(dense, h, 0.0)), axis=1), l1)
+    # (h is unwritten in a sparse call: its sum is selected away.)
+    return y_parts, jnp.where(dense, jnp.sum(jnp.abs(h), axis=1), l1)
 
 
 def scan_up_down_reference(

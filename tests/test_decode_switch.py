@@ -13,8 +13,8 @@ import pytest
 import twell_jax as tj
 from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import GemvConfig, gemv_reference, gemv_with_counts
-from pallas_kernels.scan_up_down import (DenseSwitch, scan_up_down_partial_sums,
-                                         scan_up_down_reference)
+from pallas_kernels.scan_up_down import (DenseSwitch, ScanUpDownConfig,
+                                         scan_up_down_partial_sums, scan_up_down_reference)
 from pallas_kernels.slice_down import slice_down, slice_down_reference
 from tests.utils import assert_close, ffn_float64, make_ffn_inputs, nested_eqns, seed_of
 
@@ -88,6 +88,22 @@ def test_scan_with_the_switch_matches_the_reference_in_either_mode(m, d, f, patt
                  tol=1e-5, what="y")
     assert_close(l1, l1_ref, F32, kind="kernel", tol=1e-5, what="l1",
                  zero_reference_ok=pattern == "zero_rows" and m == 1)
+
+
+def test_dense_mode_covers_a_slice_whose_programs_do_not_divide_it():
+    """3 rows sharing a 256-unit slice: each program's share rounds up to a power of two
+    (128), so every unit is multiplied even though 256 / 3 is not a whole width."""
+    m, d, f = 3, 64, 512
+    x, w_gate, w_up, w_down = make_ffn_inputs(seed_of("share", m), m, d, f, "dense_rows",
+                                              BF16, density=0.2)
+    pre, counts = gemv_with_counts(x, w_gate.T, None, unit_rows=True)
+    config = ScanUpDownConfig(block_f=256, scan_width=256, block_d=64, dense_width=16)
+    y_parts, l1 = scan_up_down_partial_sums(pre, x, w_up.T, w_down, config=config,
+                                            switch=DenseSwitch(counts, ALWAYS))
+    y_ref, l1_ref = scan_up_down_reference(pre, x, w_up.T, w_down, out_dtype=F32)
+    assert_close(finish_partial_sums(y_parts, None, F32), y_ref, F32, kind="kernel",
+                 tol=1e-5, what="y")
+    assert_close(l1, l1_ref, F32, kind="kernel", tol=1e-5, what="l1")
 
 
 @pytest.mark.parametrize("above", [NEVER, ALWAYS], ids=["walk", "dense"])
