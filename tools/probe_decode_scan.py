@@ -71,7 +71,7 @@ def _overridden(default, fields: dict[str, str]):
 def parse_variant(text: str):
     """'a=1,b=scan_width,gemv.k_splits=2,twell.dense_fallback_density=1.0' -> (scan, gemv and
     counting-gemv config functions, each (m, d, f) -> its default config with those fields;
-    the op's TwELLConfig)."""
+    the op's TwELLConfig; the slice_down config function, (m, d, block_f) -> its config)."""
     items = [item for item in text.split(",") if item]
     if not items or any("=" not in item for item in items):
         raise ValueError("expected field=value pairs separated by commas")
@@ -158,6 +158,7 @@ def main(argv=None) -> list[dict]:
             variants.append((text, parse_variant(text)))
             for config in variants[-1][1][:3]:  # a bad field or value fails here
                 config(1, args.d_model, args.d_ff)
+            variants[-1][1][4](1, args.d_model, 128)
         except (TypeError, ValueError) as e:
             parser.error(f"--variant {text}: {e}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
