@@ -104,10 +104,11 @@ def _gate_chunk(pre_ref, bias_ref, row, col0, ok, width: int, n_parts: int, pre_
 
 
 def _dense_hidden(pre_ref, x_ref, w_up_ref, h_ref, *, m: int, f: int, col0, width: int,
-                  d: int, block_k: int, gated: bool, precision):
+                  d: int, block_k: int, prefetch: int, gated: bool, precision):
     """The dense mode's share of one program: h = relu(pre) * (x @ w_up_t.T) (gated) or
     relu(pre), float32, for every row and the units [col0, +width), stored in h [M, F]. The
-    up product runs on the tensor cores, rows padded to 16."""
+    up product runs on the tensor cores, rows padded to 16, its tiles loaded ``prefetch``
+    steps ahead."""
     m_pad = max(16, next_pow2(m))
     rows = block_range(0, m_pad)[:, None]
     row_ok = rows < m
@@ -119,15 +120,27 @@ def _dense_hidden(pre_ref, x_ref, w_up_ref, h_ref, *, m: int, f: int, col0, widt
         k_lane = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         w_mask = jnp.broadcast_to((cols < f)[:, None], (width, block_k))
         x_mask = jnp.broadcast_to(row_ok, (m_pad, block_k))
+        steps = d // block_k
 
-        def step(i, acc):
-            ks = (i * block_k + k_lane)[None, :]
-            xk = plgpu.load(x_ref.at[rows, ks], mask=x_mask, other=0)
-            wk = plgpu.load(w_up_ref.at[cols[:, None], ks], mask=w_mask, other=0)
-            return acc + jnp.dot(xk, wk.T, preferred_element_type=jnp.float32,
-                                 precision=precision)
+        def tiles(i):
+            # (A step past the last re-reads the last tile: the prefetch's tail.)
+            ks = (jnp.minimum(i, steps - 1) * block_k + k_lane)[None, :]
+            return (plgpu.load(x_ref.at[rows, ks], mask=x_mask, other=0),
+                    plgpu.load(w_up_ref.at[cols[:, None], ks], mask=w_mask, other=0))
 
-        up = jax.lax.fori_loop(0, d // block_k, step, jnp.zeros((m_pad, width), jnp.float32))
+        def step(i, carry):
+            # Tiles of step i + prefetch are loaded before step i's product: their reads
+            # are in flight during it, without Triton's pipelining stages.
+            acc, ahead = carry[0], carry[1:]
+            xk, wk = ahead[0] if prefetch else tiles(i)
+            ahead = (*ahead[1:], tiles(i + prefetch)) if prefetch else ()
+            acc = acc + jnp.dot(xk, wk.T, preferred_element_type=jnp.float32,
+                                precision=precision)
+            return (acc, *ahead)
+
+        first = tuple(tiles(jnp.int32(t)) for t in range(prefetch))
+        up = jax.lax.fori_loop(0, steps, step,
+                               (jnp.zeros((m_pad, width), jnp.float32), *first))[0]
         h = h * up
     plgpu.store(h_ref.at[rows, cols[None, :]], h, mask=ok)
 
@@ -136,7 +149,7 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
                          num_d_chunks: int, d_splits: int, group: int, gated: bool,
                          n_parts: int, has_bias: bool, pre_dtype, m: int = 0,
                          n_counts: int = 0, dense_above: int = 0, dense_width: int = 0,
-                         dense_block_k: int = 0, precision=None):
+                         dense_block_k: int = 0, dense_prefetch: int = 0, precision=None):
     """One program: row ``program_id(0)``, columns [s * block_f, +block_f) for s =
     ``program_id(1)``, output columns [k * D / d_splits, +D / d_splits) for k =
     ``program_id(2)`` (the up product still reads whole rows of ``w_up_t``).
@@ -192,8 +205,8 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     def _():
         _dense_hidden(pre_ref, x_ref, w_up_ref, h_ref, m=m, f=f,
                       col0=part * block_f + share * dense_width, width=dense_width,
-                      d=num_d_chunks * block_d, block_k=dense_block_k, gated=gated,
-                      precision=precision)
+                      d=num_d_chunks * block_d, block_k=dense_block_k,
+                      prefetch=dense_prefetch, gated=gated, precision=precision)
 
 
 def _walk(pre_ref, bias_ref, x_ref, w_up_ref, w_down_ref, y_ref, l1_ref, row, part, split, *,
@@ -285,6 +298,8 @@ class ScanUpDownConfig:
         once; the slice's M * d_splits programs share its block_f units, so at least
         block_f / (M * d_splits), rounded up to a power of two (raised to that where smaller).
       dense_block_k: the dense mode's D step of the up product (power of two >= 16).
+      dense_prefetch: steps of the dense mode's up product whose tiles are loaded ahead
+        (0: none; then only ``num_stages`` overlaps its reads).
     """
 
     block_f: int = 128
@@ -296,12 +311,15 @@ class ScanUpDownConfig:
     num_stages: int = DENSE_SWITCH_STAGES
     dense_width: int = 64
     dense_block_k: int = 128
+    dense_prefetch: int = 0
 
     def __post_init__(self):
         check_config(self, ("block_f", "scan_width", "block_d", "num_warps", "group",
                             "d_splits", "dense_width", "dense_block_k"))
         if self.scan_width > self.block_f:
             raise ValueError(f"scan_width={self.scan_width} must be <= block_f={self.block_f}")
+        if not isinstance(self.dense_prefetch, int) or self.dense_prefetch < 0:
+            raise ValueError(f"dense_prefetch must be an int >= 0, got {self.dense_prefetch!r}")
         if min(self.dense_width, self.dense_block_k) < 16:
             raise ValueError(f"the dense mode's dot needs dense_width and dense_block_k >= 16, "
                              f"got {self.dense_width} and {self.dense_block_k}")
@@ -456,6 +474,7 @@ def scan_up_down_partial_sums(
                                n_counts=0 if switch is None else switch.counts.shape[0],
                                dense_above=0 if switch is None else int(switch.above),
                                dense_width=dense_width, dense_block_k=dense_block_k,
+                               dense_prefetch=config.dense_prefetch,
                                precision=(jax.lax.Precision.HIGHEST
                                           if jnp.dtype(w_down.dtype) == jnp.float32 else None))
     gate = (pre.sums, *((pre.bias,) if has_bias else ())) if parts else (pre,)

@@ -1,6 +1,6 @@
 """experiments/profile_kernels.py: every program runs and is reported (without a GPU there are
 no GPU kernels, so the kernel tables are empty; with one they list its kernels), and the trace
-arithmetic on made-up events."""
+arithmetic of twell_jax.benchmarking.gpu_trace on made-up events."""
 
 import json
 import pathlib
@@ -11,6 +11,7 @@ import jax
 import pytest
 
 from tests.utils import load_experiment, subprocess_env
+from twell_jax.benchmarking import gpu_trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,18 +22,18 @@ def prof():
         yield module
 
 
-def test_busy_time_is_the_union_of_intervals(prof):
+def test_busy_time_is_the_union_of_intervals():
     events = [("a", 0.0, 10.0), ("b", 5.0, 10.0), ("c", 30.0, 5.0), ("d", 31.0, 1.0)]
-    assert prof.busy_ns(events) == 20.0  # [0, 15) and [30, 35)
-    assert prof.busy_ns([]) == 0.0
+    assert gpu_trace.busy_ns(events) == 20.0  # [0, 15) and [30, 35)
+    assert gpu_trace.busy_ns([]) == 0.0
 
 
-def test_collectives_alone_are_those_no_other_kernel_overlaps(prof):
+def test_collectives_alone_are_those_no_other_kernel_overlaps():
     events = [("gemm_a", 0.0, 10.0), ("ncclDevKernel_AllReduce_Sum_bf16", 5.0, 10.0),
               ("ncclDevKernel_AllReduce_Sum_f32", 30.0, 5.0), ("loop_fusion", 31.0, 1.0)]
-    assert prof.collective_alone_ns(events) == 9.0  # [10, 15) and [30, 35) less [31, 32)
-    assert prof.collective_alone_ns(events[:1]) == 0.0
-    summary = prof.device_summary(events, runs=2)
+    assert gpu_trace.collective_alone_ns(events) == 9.0  # [10, 15) and [30, 35) less [31, 32)
+    assert gpu_trace.collective_alone_ns(events[:1]) == 0.0
+    summary = gpu_trace.device_summary(events, runs=2)
     assert summary == {"busy_ms": 20.0 / 2e6, "collective_ms": 15.0 / 2e6,
                        "collective_alone_ms": 9.0 / 2e6,
                        "collective_alone_by_kernel_ms": {
@@ -40,7 +41,7 @@ def test_collectives_alone_are_those_no_other_kernel_overlaps(prof):
                            "ncclDevKernel_AllReduce_Sum_bf16": 5.0 / 2e6}}
 
 
-def test_exposed_time_per_collective_kernel(prof):
+def test_exposed_time_per_collective_kernel():
     """Each collective's time outside every other kernel's intervals, summed per name: a
     collective spanning several other kernels, one inside another kernel, two at once."""
     events = [("gemm_a", 0.0, 10.0), ("fusion_b", 12.0, 3.0), ("gemm_c", 14.0, 4.0),
@@ -48,11 +49,11 @@ def test_exposed_time_per_collective_kernel(prof):
               ("ncclDevKernel_AllGather_bf16", 1.0, 2.0),  # inside gemm_a
               ("ncclDevKernel_AllGather_bf16", 20.0, 10.0),  # alone, beside the other
               ("ncclDevKernel_AllReduce_f32", 40.0, 1.0)]
-    got = prof.alone_ns_by_collective(events)
+    got = gpu_trace.alone_ns_by_collective(events)
     assert got == {"ncclDevKernel_ReduceScatter_bf16": 20.0 - 5.0 - 6.0,
                    "ncclDevKernel_AllGather_bf16": 0.0 + 10.0,
                    "ncclDevKernel_AllReduce_f32": 1.0}
-    assert prof.alone_ns_by_collective(events[:3]) == {}
+    assert gpu_trace.alone_ns_by_collective(events[:3]) == {}
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -66,8 +67,8 @@ def test_exposed_time_per_collective_kernel(prof):
     ("memcpy128", "copy"),
     ("set_case_condition", "other"),
 ])
-def test_kernel_kinds(prof, name, kind):
-    assert prof.kind_of(name) == kind
+def test_kernel_kinds(name, kind):
+    assert gpu_trace.kind_of(name) == kind
 
 
 def test_smoke_xla_only(prof, tmp_path):

@@ -41,6 +41,7 @@ import pallas_kernels.scan_up_down as scan_module
 import pallas_kernels.slice_down as slice_down_module
 import twell_jax as tj
 from twell_jax import cli, xla_flags
+from twell_jax.benchmarking.gpu_trace import profile
 from twell_jax.benchmarking.ffn_cases import (Case, decode_loop, make_case_inputs, trained_mean,
                                               unrolled_calls)
 
@@ -140,6 +141,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--d-ff", type=int, default=5632)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default="runs/probe_decode_scan.jsonl")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace each variant's unrolled calls: GPU time per kernel")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU check of the script: interpret mode, one loop step, M 2")
     args = parser.parse_args(argv)
@@ -217,6 +220,8 @@ def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[
                         times[name].append(once())
                 row[mode] = {name: {"median_us": float(np.median(t)), "all_us": t}
                              for name, t in times.items()}
+            if args.profile:
+                row["kernels_us"] = _kernel_times(variants, x, sets[:n_sets])
             out.write(json.dumps(row) + "\n")
             out.flush()
             rows.append(row)
@@ -226,7 +231,28 @@ def _measure(args, variants, out, steps: int, layers: int, n_sets: int) -> list[
                       f"{row['loop'][name]['median_us']:8.2f} "
                       f"{row['unrolled'][name]['median_us']:11.2f}"
                       + ("" if error is None else f"  err {error:.1e}"), flush=True)
+                for kernel, us in row.get("kernels_us", {}).get(name, {}).items():
+                    print(f"{'':28} {us:8.2f} us  {kernel[:60]}", flush=True)
     return rows
+
+
+def _kernel_times(variants, x, sets, runs: int = 3) -> dict[str, dict[str, float]]:
+    """Per variant (and the two dense FFNs), the GPU time of each kernel of the unrolled
+    calls, in us per call (``gpu_trace.profile``: CUPTI's own kernel times), "busy" first
+    (the union of the kernels' intervals): which stage a slow variant loses in."""
+    per_call = 1e3 / len(sets)
+    tables = {}
+    for name, configs in [*variants, ("dense", None), ("plain", None)]:
+        if configs is not None:
+            fn = op("pallas", use_configs(configs))  # the kernels' configs, from the trace on
+        else:
+            fn = op("xla") if name == "dense" else plain_dense
+        program = unrolled_calls(fn)
+        result = profile(lambda: program(x, sets), runs)
+        tables[name] = {"busy": result["busy_ms"] * per_call,
+                        **{k["name"]: k["ms"] * per_call for k in result["kernels"]}}
+        use_configs(variants[0][1])
+    return tables
 
 
 if __name__ == "__main__":
