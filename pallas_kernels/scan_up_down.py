@@ -72,6 +72,11 @@ SPLIT_D_GROUP = 8
 # one (its dense mode's up product streams w_up tiles; 3 stages took it from 38.7 to 32.3 us
 # at one row, 64.4 to 41.4 at 64, H200, D = 2048); without the switch the walk keeps 1.
 DENSE_SWITCH_STAGES = 3
+# The dense mode's D step for calls of at most WIDE_DENSE_STEP_MAX_ROWS rows: twice the bytes
+# in flight per stage for the few programs of a small call (one row: 88 at F = 5632). With
+# more rows the larger tiles cost the walk occupancy (shared memory per program).
+WIDE_DENSE_STEP = 256
+WIDE_DENSE_STEP_MAX_ROWS = 8
 
 
 class GatePartials(NamedTuple):
@@ -309,7 +314,7 @@ class ScanUpDownConfig:
     group: int = 4
     d_splits: int = 1
     num_stages: int = DENSE_SWITCH_STAGES
-    dense_width: int = 64
+    dense_width: int = 32
     dense_block_k: int = 128
     dense_prefetch: int = 0
 
@@ -351,7 +356,13 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     warps at every measured case of 4-32 rows (0.5% active 6-15% faster, 2% 2-7%, 20% 8-15%,
     the trained model's counts 7-11%, heavy-tailed rows at 8 rows 6%): fewer threads wait on
     each cross-warp reduction, and more programs fit on an SM. At 64 rows 256-column slices
-    and groups of 8 favour heavy-tailed rows but cost uniform ones more (H100)."""
+    and groups of 8 favour heavy-tailed rows but cost uniform ones more (H100).
+
+    The dense switch's mode (H200, D = 2048, F = 5632, kernel times): 32 units a program
+    (``dense_width``; 64 before) took its up product from 12.4 to 11.4 us at 8 rows and the
+    64-row walk at 0.5% active from 16.0 to 13.5 us (its programs need less shared memory, so
+    more fit on an SM); 256-row D steps took the up from 11.1 to 9.8 us at one row and 12.4 to
+    11.7 at 8, but cost the 64-row walk 7.8 us, hence only up to ``WIDE_DENSE_STEP_MAX_ROWS``."""
     min_width = NARROW_SLICE if m <= NARROW_SLICE_MAX_ROWS else 256
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // min_width)))
     block_f = max(min_width, 1 << (-(-f // slices) - 1).bit_length())
@@ -361,7 +372,9 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
                             block_d=1024 if split_d else largest_pow2_divisor(d, 2048),
                             num_warps=max(1, min(warps, d // 256)),
                             group=SPLIT_D_GROUP if split_d else 4,
-                            d_splits=2 if split_d else 1)
+                            d_splits=2 if split_d else 1,
+                            dense_block_k=(WIDE_DENSE_STEP if m <= WIDE_DENSE_STEP_MAX_ROWS
+                                           else 128))
 
 
 def _check_args(pre, x, w_up_t, w_down, gated: bool) -> tuple[int, int, int]:

@@ -179,7 +179,10 @@ def test_the_models_decode_steps_keep_the_plain_walk():
 def test_cost_model_threshold_grows_to_one_entry_per_unit():
     cost = tj.TwELLConfig().cost_model
     f = 5632
-    assert cost.decode_dense_above(1, f) == int(cost.decode_dense_max_share * f)
+    assert cost.decode_dense_above(1, f) is None  # one row walks: no switch
+    assert cost.decode_dense_above(2, f) == int(2 * cost.decode_dense_max_share * f)
+    one_row = dataclasses.replace(cost, decode_switch_min_rows=1)
+    assert one_row.decode_dense_above(1, f) == int(cost.decode_dense_max_share * f)
     assert cost.decode_dense_above(8, f) == f
     assert cost.decode_dense_above(64, f) == f
     off = dataclasses.replace(cost, decode_dense_entries_per_unit=0.5)

@@ -46,6 +46,7 @@ class CostModel:
     decode_tail_weight: float = 0.25
     decode_dense_entries_per_unit: float = 1.0
     decode_dense_max_share: float = 0.4
+    decode_switch_min_rows: int = 2
     hot_entry_bytes_per_s: float = 1.28e13
     hot_entry_train_bytes_per_s: float = 3.0e12
     hot_fixed_seconds: float = 2.0e-5
@@ -59,17 +60,22 @@ class CostModel:
         row the walk costs about the dense FFN or more."""
         return entries * 2.0 * d * itemsize / self.decode_gather_bytes_per_s
 
-    def decode_dense_above(self, m: int, f: int) -> int:
+    def decode_dense_above(self, m: int, f: int) -> int | None:
         """The decode path's dense switch for one call of m rows: the active (row, unit)
         entries past which its dense mode (every unit's up product for all rows, then the down
-        by slices: about 1.25x the dense FFN at D = 2048, 1.05-1.1x at D = 4096) beats walking
-        them: ``decode_dense_entries_per_unit`` x F entries, at most
+        by slices: about 1.2-1.4x the dense FFN at D = 2048, 1.05-1.1x at D = 4096) beats
+        walking them: ``decode_dense_entries_per_unit`` x F entries, at most
         ``decode_dense_max_share`` of the call's M * F. The walk costs ~1.8 ns an entry at 64
         rows and ~7.6 ns at one row (D = 2048, H200: fewer rows walk with fewer programs), so
-        from a few rows on the break-even is about one entry per unit of F, and one row walks
-        up to ~40% of its units first (``tools/probe_decode_scan.py``, docs/performance.md).
-        Measured at D = 2048 only: one row at D = 4096 walks faster than its dense mode even
-        half active."""
+        from a few rows on the break-even is about one entry per unit of F.
+
+        None (no switch) below ``decode_switch_min_rows`` rows: one row reads each active
+        unit's weight rows once, as the dense products do, so its walk costs at most ~1.4x
+        the dense FFN (half its units active, D = 2048; faster than the dense mode at
+        D = 4096), while the switch's counting GEMV and extra launch cost every call ~3 us
+        (14.3 -> 17.3 us at 0.5% active, H200; docs/performance.md)."""
+        if m < self.decode_switch_min_rows:
+            return None
         return int(min(self.decode_dense_entries_per_unit, self.decode_dense_max_share * m) * f)
 
     def decode_row_units(self, nnz_mean, nnz_p99=None):
