@@ -72,9 +72,12 @@ SPLIT_D_GROUP = 8
 # one (its dense mode's up product streams w_up tiles; 3 stages took it from 38.7 to 32.3 us
 # at one row, 64.4 to 41.4 at 64, H200, D = 2048); without the switch the walk keeps 1.
 DENSE_SWITCH_STAGES = 3
-# The dense mode's D step for calls of at most WIDE_DENSE_STEP_MAX_ROWS rows: twice the bytes
-# in flight per stage for the few programs of a small call (one row: 88 at F = 5632). With
-# more rows the larger tiles cost the walk occupancy (shared memory per program).
+# The dense mode's tiles where F / 64 gives fewer than DENSE_MODE_MIN_PROGRAMS programs (F =
+# 5632: 88, fewer than the SMs): 32 units a program, and for at most WIDE_DENSE_STEP_MAX_ROWS
+# rows 256-row D steps, twice the bytes in flight per stage. With more programs (F = 14336:
+# 224) 64 units and 128-row steps: every program re-reads all of x, and larger tiles cost the
+# walk occupancy (shared memory per program).
+DENSE_MODE_MIN_PROGRAMS = 128
 WIDE_DENSE_STEP = 256
 WIDE_DENSE_STEP_MAX_ROWS = 8
 
@@ -109,11 +112,10 @@ def _gate_chunk(pre_ref, bias_ref, row, col0, ok, width: int, n_parts: int, pre_
 
 
 def _dense_hidden(pre_ref, x_ref, w_up_ref, h_ref, *, m: int, f: int, col0, width: int,
-                  d: int, block_k: int, prefetch: int, gated: bool, precision):
+                  d: int, block_k: int, gated: bool, precision):
     """The dense mode's share of one program: h = relu(pre) * (x @ w_up_t.T) (gated) or
     relu(pre), float32, for every row and the units [col0, +width), stored in h [M, F]. The
-    up product runs on the tensor cores, rows padded to 16, its tiles loaded ``prefetch``
-    steps ahead."""
+    up product runs on the tensor cores, rows padded to 16."""
     m_pad = max(16, next_pow2(m))
     rows = block_range(0, m_pad)[:, None]
     row_ok = rows < m
@@ -125,27 +127,15 @@ def _dense_hidden(pre_ref, x_ref, w_up_ref, h_ref, *, m: int, f: int, col0, widt
         k_lane = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         w_mask = jnp.broadcast_to((cols < f)[:, None], (width, block_k))
         x_mask = jnp.broadcast_to(row_ok, (m_pad, block_k))
-        steps = d // block_k
 
-        def tiles(i):
-            # (A step past the last re-reads the last tile: the prefetch's tail.)
-            ks = (jnp.minimum(i, steps - 1) * block_k + k_lane)[None, :]
-            return (plgpu.load(x_ref.at[rows, ks], mask=x_mask, other=0),
-                    plgpu.load(w_up_ref.at[cols[:, None], ks], mask=w_mask, other=0))
+        def step(i, acc):
+            ks = (i * block_k + k_lane)[None, :]
+            xk = plgpu.load(x_ref.at[rows, ks], mask=x_mask, other=0)
+            wk = plgpu.load(w_up_ref.at[cols[:, None], ks], mask=w_mask, other=0)
+            return acc + jnp.dot(xk, wk.T, preferred_element_type=jnp.float32,
+                                 precision=precision)
 
-        def step(i, carry):
-            # Tiles of step i + prefetch are loaded before step i's product: their reads
-            # are in flight during it, without Triton's pipelining stages.
-            acc, ahead = carry[0], carry[1:]
-            xk, wk = ahead[0] if prefetch else tiles(i)
-            ahead = (*ahead[1:], tiles(i + prefetch)) if prefetch else ()
-            acc = acc + jnp.dot(xk, wk.T, preferred_element_type=jnp.float32,
-                                precision=precision)
-            return (acc, *ahead)
-
-        first = tuple(tiles(jnp.int32(t)) for t in range(prefetch))
-        up = jax.lax.fori_loop(0, steps, step,
-                               (jnp.zeros((m_pad, width), jnp.float32), *first))[0]
+        up = jax.lax.fori_loop(0, d // block_k, step, jnp.zeros((m_pad, width), jnp.float32))
         h = h * up
     plgpu.store(h_ref.at[rows, cols[None, :]], h, mask=ok)
 
@@ -154,7 +144,7 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
                          num_d_chunks: int, d_splits: int, group: int, gated: bool,
                          n_parts: int, has_bias: bool, pre_dtype, m: int = 0,
                          n_counts: int = 0, dense_above: int = 0, dense_width: int = 0,
-                         dense_block_k: int = 0, dense_prefetch: int = 0, precision=None):
+                         dense_block_k: int = 0, precision=None):
     """One program: row ``program_id(0)``, columns [s * block_f, +block_f) for s =
     ``program_id(1)``, output columns [k * D / d_splits, +D / d_splits) for k =
     ``program_id(2)`` (the up product still reads whole rows of ``w_up_t``).
@@ -210,8 +200,8 @@ def _scan_up_down_kernel(*refs, f: int, block_f: int, scan_width: int, block_d: 
     def _():
         _dense_hidden(pre_ref, x_ref, w_up_ref, h_ref, m=m, f=f,
                       col0=part * block_f + share * dense_width, width=dense_width,
-                      d=num_d_chunks * block_d, block_k=dense_block_k,
-                      prefetch=dense_prefetch, gated=gated, precision=precision)
+                      d=num_d_chunks * block_d, block_k=dense_block_k, gated=gated,
+                      precision=precision)
 
 
 def _walk(pre_ref, bias_ref, x_ref, w_up_ref, w_down_ref, y_ref, l1_ref, row, part, split, *,
@@ -303,8 +293,6 @@ class ScanUpDownConfig:
         once; the slice's M * d_splits programs share its block_f units, so at least
         block_f / (M * d_splits), rounded up to a power of two (raised to that where smaller).
       dense_block_k: the dense mode's D step of the up product (power of two >= 16).
-      dense_prefetch: steps of the dense mode's up product whose tiles are loaded ahead
-        (0: none; then only ``num_stages`` overlaps its reads).
     """
 
     block_f: int = 128
@@ -314,17 +302,14 @@ class ScanUpDownConfig:
     group: int = 4
     d_splits: int = 1
     num_stages: int = DENSE_SWITCH_STAGES
-    dense_width: int = 32
+    dense_width: int = 64
     dense_block_k: int = 128
-    dense_prefetch: int = 0
 
     def __post_init__(self):
         check_config(self, ("block_f", "scan_width", "block_d", "num_warps", "group",
                             "d_splits", "dense_width", "dense_block_k"))
         if self.scan_width > self.block_f:
             raise ValueError(f"scan_width={self.scan_width} must be <= block_f={self.block_f}")
-        if not isinstance(self.dense_prefetch, int) or self.dense_prefetch < 0:
-            raise ValueError(f"dense_prefetch must be an int >= 0, got {self.dense_prefetch!r}")
         if min(self.dense_width, self.dense_block_k) < 16:
             raise ValueError(f"the dense mode's dot needs dense_width and dense_block_k >= 16, "
                              f"got {self.dense_width} and {self.dense_block_k}")
@@ -358,23 +343,28 @@ def default_scan_up_down_config(m: int, d: int, f: int) -> ScanUpDownConfig:
     each cross-warp reduction, and more programs fit on an SM. At 64 rows 256-column slices
     and groups of 8 favour heavy-tailed rows but cost uniform ones more (H100).
 
-    The dense switch's mode (H200, D = 2048, F = 5632, kernel times): 32 units a program
-    (``dense_width``; 64 before) took its up product from 12.4 to 11.4 us at 8 rows and the
-    64-row walk at 0.5% active from 16.0 to 13.5 us (its programs need less shared memory, so
-    more fit on an SM); 256-row D steps took the up from 11.1 to 9.8 us at one row and 12.4 to
-    11.7 at 8, but cost the 64-row walk 7.8 us, hence only up to ``WIDE_DENSE_STEP_MAX_ROWS``."""
+    The dense switch's mode (H200, kernel times in us and calls in an on-device loop): at
+    D = 2048, F = 5632 (88 programs of 64 units) 32 units a program took its up product from
+    12.4 to 11.4 us at 8 rows, and the 64-row walk at 0.5% active from 16.0 to 13.5 (its
+    programs need less shared memory, so more fit on an SM); 256-row D steps took the up from
+    11.1 to 9.8 us at one row and 12.4 to 11.7 at 8, but cost the 64-row walk 7.8 us. At
+    D = 4096, F = 14336 (224 programs of 64 units) the two together cost half-active calls
+    9 us (8 rows 98.1 -> 107.5, 64 rows 115.8 -> 124.7): hence ``DENSE_MODE_MIN_PROGRAMS``.
+    """
     min_width = NARROW_SLICE if m <= NARROW_SLICE_MAX_ROWS else 256
     slices = max(1, min(-(-704 // max(m, 1)), -(-f // min_width)))
     block_f = max(min_width, 1 << (-(-f // slices) - 1).bit_length())
     split_d = m * -(-f // block_f) <= SPLIT_D_MAX_PROGRAMS and d % 2048 == 0
     warps = 8 if split_d and m > 1 else 4
+    few_dense_programs = -(-f // 64) < DENSE_MODE_MIN_PROGRAMS
     return ScanUpDownConfig(block_f=block_f, scan_width=min(block_f, 512),
                             block_d=1024 if split_d else largest_pow2_divisor(d, 2048),
                             num_warps=max(1, min(warps, d // 256)),
                             group=SPLIT_D_GROUP if split_d else 4,
                             d_splits=2 if split_d else 1,
-                            dense_block_k=(WIDE_DENSE_STEP if m <= WIDE_DENSE_STEP_MAX_ROWS
-                                           else 128))
+                            dense_width=32 if few_dense_programs else 64,
+                            dense_block_k=(WIDE_DENSE_STEP if few_dense_programs
+                                           and m <= WIDE_DENSE_STEP_MAX_ROWS else 128))
 
 
 def _check_args(pre, x, w_up_t, w_down, gated: bool) -> tuple[int, int, int]:
@@ -487,7 +477,6 @@ def scan_up_down_partial_sums(
                                n_counts=0 if switch is None else switch.counts.shape[0],
                                dense_above=0 if switch is None else int(switch.above),
                                dense_width=dense_width, dense_block_k=dense_block_k,
-                               dense_prefetch=config.dense_prefetch,
                                precision=(jax.lax.Precision.HIGHEST
                                           if jnp.dtype(w_down.dtype) == jnp.float32 else None))
     gate = (pre.sums, *((pre.bias,) if has_bias else ())) if parts else (pre,)

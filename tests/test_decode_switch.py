@@ -106,30 +106,6 @@ def test_dense_mode_covers_a_slice_whose_programs_do_not_divide_it():
     assert_close(l1, l1_ref, F32, kind="kernel", tol=1e-5, what="l1")
 
 
-@pytest.mark.parametrize("prefetch", [1, 3])
-def test_dense_mode_with_tiles_loaded_ahead_matches_the_reference(prefetch):
-    """The up product's tiles loaded 1 or 3 steps ahead (3 > the 2 steps of D = 256: the
-    prefetch's tail re-reads the last tile), f32 and bf16, one stage."""
-    m, d, f = 5, 256, 384
-    for dtype in (BF16, F32):
-        x, w_gate, w_up, w_down = make_ffn_inputs(seed_of("prefetch", prefetch, str(dtype)), m,
-                                                  d, f, "heavy_tailed", dtype, density=0.3)
-        pre, counts = gemv_with_counts(x, w_gate.T, None, unit_rows=True)
-        config = ScanUpDownConfig(block_f=128, scan_width=128, block_d=256, num_stages=1,
-                                  dense_block_k=128, dense_prefetch=prefetch)
-        y_parts, l1 = scan_up_down_partial_sums(pre, x, w_up.T, w_down, config=config,
-                                                switch=DenseSwitch(counts, ALWAYS))
-        y_ref, l1_ref = scan_up_down_reference(pre, x, w_up.T, w_down, out_dtype=F32)
-        assert_close(finish_partial_sums(y_parts, None, F32), y_ref, F32, kind="kernel",
-                     tol=1e-5, what=f"y {dtype}")
-        assert_close(l1, l1_ref, F32, kind="kernel", tol=1e-5, what=f"l1 {dtype}")
-
-
-def test_a_negative_prefetch_is_refused():
-    with pytest.raises(ValueError, match="dense_prefetch"):
-        ScanUpDownConfig(dense_prefetch=-1)
-
-
 @pytest.mark.parametrize("above", [NEVER, ALWAYS], ids=["walk", "dense"])
 def test_scan_with_the_switch_propagates_nan(above):
     m, d, f = 2, 64, 128
