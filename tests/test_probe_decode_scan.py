@@ -88,3 +88,14 @@ def test_smoke_times_a_gemv_variant(probe, tmp_path):
     assert scan_module.default_scan_up_down_config is probe.DEFAULT_CONFIG
     assert set(rows[0]["rel_error_float64"]) == {"default", "gemv.k_splits=2"}
     assert all(0 < e < 1e-2 for e in rows[0]["rel_error_float64"].values())
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: the smoke run's calls traced as well as timed
+def test_profile_gives_every_variant_a_kernel_table(probe, tmp_path):
+    """``--profile``: per variant and dense FFN, the GPU time per kernel of its unrolled calls
+    (no GPU kernels on a CPU, so each table holds the busy time alone, zero)."""
+    rows = probe.main(["--smoke", "--profile", "--out", str(tmp_path / "probe.jsonl")])
+    tables = rows[0]["kernels_us"]
+    assert set(tables) == {"default", "group=2", "dense", "plain"}
+    for table in tables.values():
+        assert "busy" in table and all(us >= 0 for us in table.values())
