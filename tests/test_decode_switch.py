@@ -14,6 +14,7 @@ import twell_jax as tj
 from pallas_kernels.common import finish_partial_sums
 from pallas_kernels.gemv import GemvConfig, gemv_reference, gemv_with_counts
 from pallas_kernels.scan_up_down import (DenseSwitch, ScanUpDownConfig,
+                                         default_scan_up_down_config,
                                          scan_up_down_partial_sums, scan_up_down_reference)
 from pallas_kernels.slice_down import slice_down, slice_down_reference
 from tests.utils import assert_close, ffn_float64, make_ffn_inputs, nested_eqns, seed_of
@@ -104,6 +105,32 @@ def test_dense_mode_covers_a_slice_whose_programs_do_not_divide_it():
     assert_close(finish_partial_sums(y_parts, None, F32), y_ref, F32, kind="kernel",
                  tol=1e-5, what="y")
     assert_close(l1, l1_ref, F32, kind="kernel", tol=1e-5, what="l1")
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_dense_mode_on_the_default_tiles_of_a_narrow_layer(dtype):
+    """The defaults of a layer whose F gives few 64-unit programs: 32 units a program and, for
+    at most 8 rows, 256-row D steps (D = 512: two of them), on heavy-tailed rows; 8 rows
+    share each 256-unit slice, so every program takes 32."""
+    m, d, f = 8, 512, 384
+    config = default_scan_up_down_config(m, d, f)
+    assert (config.dense_width, config.dense_block_k) == (32, 256)
+    x, w_gate, w_up, w_down = make_ffn_inputs(seed_of("tiles", str(dtype)), m, d, f,
+                                              "heavy_tailed", dtype, density=0.3)
+    pre, counts = gemv_with_counts(x, w_gate.T, None, unit_rows=True)
+    y_parts, l1 = scan_up_down_partial_sums(pre, x, w_up.T, w_down,
+                                            switch=DenseSwitch(counts, ALWAYS))
+    y_ref, l1_ref = scan_up_down_reference(pre, x, w_up.T, w_down, out_dtype=F32)
+    assert_close(finish_partial_sums(y_parts, None, F32), y_ref, F32, kind="kernel",
+                 tol=1e-5, what="y")
+    assert_close(l1, l1_ref, F32, kind="kernel", tol=1e-5, what="l1")
+
+
+def test_wide_layers_and_many_rows_keep_the_larger_dense_tiles():
+    wide = default_scan_up_down_config(8, 4096, 14336)
+    many_rows = default_scan_up_down_config(64, 2048, 5632)
+    assert (wide.dense_width, wide.dense_block_k) == (64, 128)
+    assert (many_rows.dense_width, many_rows.dense_block_k) == (32, 128)
 
 
 @pytest.mark.parametrize("above", [NEVER, ALWAYS], ids=["walk", "dense"])
