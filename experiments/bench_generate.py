@@ -45,7 +45,10 @@ and a KV cache of ``context`` positions (bf16, the compute dtype):
   "decode", the list-free decode kernel, for steps of at most ``TwELLConfig.decode_rows``
   rows; "dense" where its cost model runs a small call dense outright on a GPU, e.g. a prefill
   of ~2k tokens, unless ``--force-sparse``; "lists" otherwise, which may still switch to dense
-  GEMMs at run time), and the generated tokens (greedy, no stop token).
+  GEMMs at run time), the generated tokens (greedy, no stop token), and how many of the
+  case's programs JAX loaded from its persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``;
+  a batched decode loop loaded from it ran 5-6% slower than compiled on an H200, so the
+  driver says when any were).
 
 ``tools/decode_hlo.py`` lists the weight-sized transposes and casts inside the compiled
 decode loop.
@@ -248,6 +251,7 @@ def worker_calibrate(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], Non
 def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]) -> None:
     """Times prefill (first token) and the decode loop of one (preset, implementation, B)."""
     preset, impl, batch = spec["preset"], spec["implementation"], spec["batch"]
+    cache_loads = cli.cache_loads_counter()
     model = build_model(preset, impl, cfg)
     mcfg = model.cfg
     for block, bias in zip(model.blocks, np.load(spec["bias_file"])):
@@ -344,6 +348,9 @@ def worker_measure(spec: dict, cfg: GenBenchConfig, emit: Callable[[dict], None]
             step_counts.reshape(step_counts.shape[0], -1), 99, axis=1).tolist(),
         "nnz_decode_token_max_by_layer": step_counts.max(axis=(1, 2)).tolist(),
         "peak_bytes": peak,
+        # Programs of this case JAX loaded from its persistent compilation cache instead of
+        # compiling (a loaded batched decode loop can run slower: docs/performance.md).
+        "programs_loaded_from_cache": cache_loads(),
         **{k: timing.get(k) for k in ("energy_j", "energy_sampled_j", "energy_calls",
                                       "mean_power_w", "mean_sm_clock_mhz",
                                       "power_capped_fraction", "power_limit_w",
@@ -395,6 +402,7 @@ def drive(cfg: GenBenchConfig, argv: Sequence[str]) -> list[dict]:
     ratio table."""
     header = {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "device": device_kind(cfg), "jax": jax.__version__, "commit": cli.commit(),
+              "compile_cache_dir": cli.compile_cache_dir(),
               "command": " ".join(["bench_generate.py", *argv]),
               "config": dataclasses.asdict(cfg)}
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
@@ -421,6 +429,12 @@ def drive(cfg: GenBenchConfig, argv: Sequence[str]) -> list[dict]:
             out.write(json.dumps({"kind": "ratio", **row, "commit": header["commit"]}) + "\n")
     rows += [{"kind": "ratio", **row} for row in table]
     print_table(table)
+    loaded = sum(r.get("programs_loaded_from_cache", 0) for r in rows if r["kind"] == "generate")
+    if loaded:
+        print(f"note: {loaded} programs came from JAX's compilation cache "
+              f"({header['compile_cache_dir']}); a batched decode loop loaded from it ran 5-6% "
+              "slower than compiled on an H200: unset JAX_COMPILATION_CACHE_DIR to time "
+              "compiled programs")
     return rows
 
 

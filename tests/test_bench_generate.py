@@ -27,6 +27,7 @@ def test_end_to_end_on_tiny(bench, tmp_path, capsys):
     assert not [r for r in rows if r["kind"] == "error"], rows
     saved = [json.loads(line) for line in out.read_text().splitlines()]
     assert saved[0]["kind"] == "header" and saved[0]["commit"] and len(saved) == len(rows)
+    assert saved[0]["compile_cache_dir"] == (jax.config.jax_compilation_cache_dir or None)
     cases = {r["implementation"]: r for r in rows if r["kind"] == "generate"}
     assert set(cases) == {"xla", "pallas"}
     for r in cases.values():
@@ -58,6 +59,8 @@ def test_end_to_end_on_tiny(bench, tmp_path, capsys):
         assert r["weight_bytes"] == 2 * bench.model_lib.CONFIGS["tiny"].param_count() \
             + 2 * 2 * 256  # bf16; plus the gate biases [F] of both layers
         assert len(r["tokens"]) == 2 and all(len(t) == 6 for t in r["tokens"])
+        if saved[0]["compile_cache_dir"] is None:  # no persistent cache: nothing loaded
+            assert r["programs_loaded_from_cache"] == 0
     # Decode steps of 2 rows take the list-free decode path; the prefill the lists in
     # interpret mode (where the cost model never routes to dense); on a GPU the tiny model's
     # prefill is too small for the lists to pay, and runs dense.

@@ -1,9 +1,13 @@
-"""twell_jax.cli: the commit a benchmark's header names; flags' help."""
+"""twell_jax.cli: the commit a benchmark's header names; flags' help; the compile cache's
+loads."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 
+from tests.utils import subprocess_env
 from twell_jax import cli
 
 
@@ -47,3 +51,32 @@ def test_help_prints_a_percent_sign_as_written():
     text = cli.flag_parser(Flags, "test").format_help()
     assert "in % of F" in " ".join(text.split())
     assert "(default: 0.5,2)" in " ".join(text.split())
+
+
+def test_cache_loads_counter_counts_programs_loaded_from_the_persistent_cache(tmp_path):
+    """``cache_loads_counter``: a process that compiles its programs into an empty cache folder
+    counts no load; a second process compiling the same programs loads them, and counts them.
+    Fresh processes, as JAX decides at a process's first compilation whether it uses the
+    cache. The header names the folder."""
+    program = (
+        "import json, jax, jax.numpy as jnp\n"
+        "from twell_jax import cli\n"
+        "loads = cli.cache_loads_counter()\n"
+        "x = jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64)\n"
+        "jax.jit(lambda a: jnp.sin(a) @ a.T)(x).block_until_ready()\n"
+        "print(json.dumps([loads(), cli.compile_cache_dir(),\n"
+        "                  cli.header('t')['compile_cache_dir']]))\n")
+    cache = tmp_path / "cache"
+    env = subprocess_env(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PLATFORMS="cpu",
+                         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    (first, folder, named), (second, _, _) = runs
+    assert first == 0 and folder == named == str(cache)
+    entries = list(cache.iterdir())
+    assert 1 <= second <= len(entries), (second, entries)

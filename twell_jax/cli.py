@@ -43,6 +43,31 @@ def use_compile_cache(path: str) -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
 
 
+# The event JAX records each time it loads a program from its persistent compilation cache.
+CACHE_LOAD_EVENT = "/jax/compilation_cache/cache_hits"
+_cache_loads = 0
+_counting_cache_loads = False
+
+
+def _count_cache_load(event: str, **_) -> None:
+    global _cache_loads
+    if event == CACHE_LOAD_EVENT:
+        _cache_loads += 1
+
+
+def cache_loads_counter() -> Callable[[], int]:
+    """A function returning how many programs this process has loaded from JAX's persistent
+    compilation cache since this call. A benchmark records it because a loaded program is not
+    always as fast as the same one compiled in the process (a batched decode loop loaded from
+    the cache ran 5-6% slower on an H200: the same kernels, more idle time between them)."""
+    global _counting_cache_loads
+    if not _counting_cache_loads:
+        jax.monitoring.register_event_listener(_count_cache_load)
+        _counting_cache_loads = True
+    start = _cache_loads
+    return lambda: _cache_loads - start
+
+
 def flag(default, help: str, **kwargs) -> dataclasses.Field:
     """A dataclass field that ``flag_parser`` turns into ``--field-name`` (kwargs such as
     ``choices`` go to ``add_argument``). The help is plain text: a ``%`` in it is printed as
@@ -97,11 +122,19 @@ def commit() -> str:
 
 def header(command: str, **fields) -> dict:
     """The first JSON-lines row of a run: date, device, jax version, commit, command line,
-    XLA_FLAGS (they change what XLA compiles), then ``fields`` (a script's config, ...)."""
+    XLA_FLAGS (they change what XLA compiles), JAX's persistent compilation cache folder (None:
+    none; programs loaded from one may run slower, ``cache_loads_counter``), then ``fields`` (a
+    script's config, ...)."""
     return {"kind": "header", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "commit": commit(), "command": command, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            **fields}
+            "compile_cache_dir": compile_cache_dir(), **fields}
+
+
+def compile_cache_dir() -> str | None:
+    """The folder of JAX's persistent compilation cache (``jax_compilation_cache_dir``, or the
+    JAX_COMPILATION_CACHE_DIR environment variable), None when there is none."""
+    return jax.config.jax_compilation_cache_dir or None
 
 
 def summarize_ms(samples: Sequence[float]) -> dict:
