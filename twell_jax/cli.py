@@ -1,5 +1,6 @@
-"""The toolkit the experiment scripts share: dataclass flags, the run header, the timer summary
-and the main/worker dispatch of the benchmarks that run one subprocess per measurement.
+"""The toolkit the experiment scripts share: dataclass flags, the run header, JAX's compile
+cache (its folder, and the programs loaded from it), the timer summary and the main/worker
+dispatch of the benchmarks that run one subprocess per measurement.
 
 Importing it sets the XLA flag the sparse FFN's route switches want (``twell_jax.xla_flags``),
 so a script imports it before its first computation.
